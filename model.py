@@ -1,0 +1,420 @@
+"""
+Kaczmarz Linear Attention (KLA) language model, in one file.
+
+KLA is Gated DeltaNet with one change: the delta-rule step size is the Kaczmarz projection
+beta_t = eta_t / (||k_t||^2 + eps), with raw (un-normalised) keys. Per head, with state S (K x V):
+
+    S~_t = exp(g_t) S_{t-1}                 g_t <= 0, the log decay
+    e_t  = v_t - S~_t^T k_t                 residual of the current prediction
+    S_t  = S~_t + beta_t k_t e_t^T          beta_t = eta_t / (||k_t||^2 + eps)   (KLA)
+                                            beta_t = eta_t, q and k L2-normalised (GDN)
+    o_t  = S_t^T (scale q_t)
+
+References:
+1) "Kaczmarz Linear Attention", Zou, Ren, Liu, arXiv 2605.08587 (2026).
+2) "Gated Delta Networks: Improving Mamba2 with Delta Rule", Yang, Kautz, Hatamizadeh (2024).
+3) "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", Yang et al. (2024):
+   the chunkwise WY / UT-transform algorithm used by kla_chunkwise.
+4) nanoGPT (Karpathy) for the shape of this file.
+
+The mixer is switchable (GPTConfig.mixer): 'kla', 'gdn' (the same layer with q, k normalised and
+beta = eta) and 'attn' (causal softmax attention with RoPE, the Transformer++ baseline). Everything
+else in the model is shared, so comparisons between them are fair.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# The reference functions. Layout: q, k (B, T, H, K); v (B, T, H, V); g, eta (B, T, H);
+# states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
+
+
+def check_inputs(q, k, v, g, eta, initial_state=None):
+    """Raise a ValueError naming the first tensor whose shape or dtype breaks the contract."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
+        if not torch.is_tensor(x) or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, T, H, K), got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got shape {tuple(v.shape)}")
+    for name, x in (("g", g), ("eta", eta)):
+        if x.shape != q.shape[:3]:
+            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got shape {tuple(x.shape)}")
+    if T == 0:
+        raise ValueError("the sequence is empty (T = 0)")
+    if initial_state is not None:
+        want = (B, H, K, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {tuple(initial_state.shape)}")
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+    if (g > 0).any():
+        raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
+
+
+def kla_beta(k, eta, eps=1e-6, kaczmarz=True):
+    """The delta-rule step size: Kaczmarz's eta / (||k||^2 + eps), or GDN's plain eta."""
+    return eta / (k.pow(2).sum(-1) + eps) if kaczmarz else eta
+
+
+def _upcast(q, k, v, g, eta, initial_state):
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    return dtype, (x.to(dtype) for x in (q, k, v, g, eta)), S
+
+
+def kla_recurrent(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
+                  output_final_state=False, kaczmarz=True):
+    """Token-by-token reference: the recurrence exactly as written in the module docstring."""
+    check_inputs(q, k, v, g, eta, initial_state)
+    out_dtype, T = q.dtype, q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
+    beta = kla_beta(k, eta, eps, kaczmarz)  # (B, T, H)
+    outs = []
+    for t in range(T):
+        k_t = k[:, t]  # (B, H, K)
+        S = S * g[:, t].exp()[..., None, None]
+        e = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k_t)  # (B, H, V)
+        S = S + beta[:, t, :, None, None] * k_t[..., :, None] * e[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
+    o = torch.stack(outs, 1).to(out_dtype)  # (B, T, H, V)
+    return o, (S if output_final_state else None)
+
+
+def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
+                  output_final_state=False, kaczmarz=True, chunk_size=64):
+    """Chunkwise reference (WY / UT transform). Inside a chunk of C tokens with b = cumsum(g):
+        A = StrictTril(Diag(beta) (K K^T * Gamma)),  Gamma_ij = exp(b_i - b_j)
+        U = (I + A)^-1 Diag(beta) (V - Diag(exp b) K S0)         (the "new values", beta e_t)
+        O = scale (Diag(exp b) Q S0 + Tril(Q K^T * Gamma) U)
+        S = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
+    The parts of U that do not depend on S0 are solved for all chunks at once; only the short
+    recurrence over S is sequential."""
+    check_inputs(q, k, v, g, eta, initial_state)
+    out_dtype, (B, T, H, K), V, C = q.dtype, q.shape, v.shape[-1], chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
+    beta = kla_beta(k, eta, eps, kaczmarz)
+    # pad T to a multiple of C: padded tokens have k = v = q = 0, g = 0, beta = 0 and change nothing
+    pad, N = (-T) % C, (T + C - 1) // C
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, N, C, -1) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(B, H, N, C) for x in (g, beta))  # (B, H, N, C)
+    b = g.cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # masked before exp: exp(b_i - b_j) for j > i could overflow
+    gamma = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, H, N, C, C)
+    A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * gamma).tril(-1)
+    eye = torch.eye(C, dtype=dtype, device=q.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * b.exp())[..., None] * k], -1)  # (B, H, N, C, V + K)
+    U0, W = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True).split([V, K], -1)
+    attn = (q @ k.transpose(-1, -2)) * gamma  # (B, H, N, C, C)
+    decay_out = b.exp()[..., None]  # (B, H, N, C, 1)
+    decay_state = (b[..., -1:] - b).exp()[..., None]
+    outs = []
+    for n in range(N):
+        u = U0[:, :, n] - W[:, :, n] @ S  # (B, H, C, V)
+        outs.append(scale * ((q[:, :, n] * decay_out[:, :, n]) @ S + attn[:, :, n] @ u))
+        S = b[:, :, n, -1, None, None].exp() * S + (k[:, :, n] * decay_state[:, :, n]).transpose(-1, -2) @ u
+    o = torch.stack(outs, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2).contiguous().to(out_dtype)  # (B, T, H, V)
+    return o, (S if output_final_state else None)
+
+
+try:  # the Triton kernels (kernel.py); on CUDA they are the default path
+    import kernel as _kernel
+except ImportError as err:
+    _kernel, _kernel_error = None, err
+
+
+def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
+                     output_final_state=False, kaczmarz=True, chunk_size=64):
+    """One entry point for the mixer: backend 'triton', 'chunkwise' or 'recurrent'.
+    A single token with a carried state (decoding) always takes the O(1) recurrent step."""
+    kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz)
+    if backend == "triton":
+        if q.shape[1] == 1 and initial_state is not None:
+            return _kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz)
+        return _kernel.kla_chunk(q, k, v, g, eta, **kw)
+    if backend == "recurrent" or q.shape[1] == 1:
+        return kla_recurrent(q, k, v, g, eta, **kw)
+    return kla_chunkwise(q, k, v, g, eta, chunk_size=chunk_size, **kw)
+
+
+def resolve_backend(backend, device_type):
+    """'auto' means the Triton kernel on CUDA, else the chunkwise reference. Decided once per model."""
+    if backend not in ("auto", "triton", "chunkwise", "recurrent"):
+        raise ValueError(f"backend must be 'auto', 'triton', 'chunkwise' or 'recurrent', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if device_type == "cuda" else "chunkwise"
+        if backend == "triton" and (_kernel is None or not hasattr(_kernel, "kla_chunk")):
+            warnings.warn(f"Triton kernel unavailable ({_kernel_error if _kernel is None else 'no kla_chunk'});"
+                          " falling back to the PyTorch chunkwise path, which is much slower")
+            backend = "chunkwise"
+    if backend == "triton" and _kernel is None:
+        raise RuntimeError(f"backend='triton' needs kernel.py and Triton: {_kernel_error}")
+    return backend
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024     # training context; the recurrent mixers have no limit at inference
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
+    expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
+    expand_v: float = 1.5      # value width of all heads / n_embd
+    conv_size: int = 4         # short causal convolution on q, k, v
+    mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
+    kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
+    chunk_size: int = 64
+    backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.mixer not in ("kla", "gdn", "attn"):
+            raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {self.mixer!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.mixer != "attn":
+            for name in ("expand_k", "expand_v"):
+                width = getattr(self, name) * self.n_embd
+                if width != int(width) or int(width) % self.n_head:
+                    raise ValueError(f"{name} * n_embd = {width} must be an integer divisible by n_head ({self.n_head})")
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal convolution + SiLU. The last conv_size - 1 inputs are the decoding state."""
+
+    def __init__(self, dim, size):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, size, groups=dim, bias=False)
+
+    def forward(self, x, state=None):
+        x = x.transpose(1, 2)  # (B, C, T)
+        if state is None:
+            state = x.new_zeros(x.shape[0], x.shape[1], self.conv.kernel_size[0] - 1)
+        x = torch.cat([state.to(x.dtype), x], -1)
+        return F.silu(self.conv(x)).transpose(1, 2), x[..., x.shape[-1] - state.shape[-1]:]
+
+
+class DeltaMixer(nn.Module):
+    """The KLA layer (mixer='kla'), or Gated DeltaNet's (mixer='gdn') with q, k normalised and beta = eta."""
+
+    def __init__(self, config):
+        super().__init__()
+        H, d = config.n_head, config.n_embd
+        self.n_head, self.kaczmarz, self.eps = H, config.mixer == "kla", config.kla_eps
+        self.chunk_size, self.backend = config.chunk_size, config.backend
+        self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
+        self.q_proj = nn.Linear(d, H * self.dk, bias=False)
+        self.k_proj = nn.Linear(d, H * self.dk, bias=False)
+        self.v_proj = nn.Linear(d, H * self.dv, bias=False)
+        self.q_conv = ShortConv(H * self.dk, config.conv_size)
+        self.k_conv = ShortConv(H * self.dk, config.conv_size)
+        self.v_conv = ShortConv(H * self.dv, config.conv_size)
+        self.b_proj = nn.Linear(d, H, bias=True)   # eta = sigmoid(b_proj(x))
+        self.a_proj = nn.Linear(d, H, bias=False)  # decay input
+        # Mamba2 decay: g = -A softplus(a_proj(x) + dt_bias), A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1]
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(0, 16).log())
+        dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.g_proj = nn.Linear(d, H * self.dv, bias=False)
+        self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
+        self.o_proj = nn.Linear(H * self.dv, d, bias=False)
+
+    def forward(self, x, cache=None):
+        B, T, _ = x.shape
+        H, dk, dv = self.n_head, self.dk, self.dv
+        st = {} if cache is None else cache
+        q, st["q_conv"] = self.q_conv(self.q_proj(x), st.get("q_conv"))
+        k, st["k_conv"] = self.k_conv(self.k_proj(x), st.get("k_conv"))
+        v, st["v_conv"] = self.v_conv(self.v_proj(x), st.get("v_conv"))
+        q = F.normalize(q.view(B, T, H, dk), dim=-1)  # (B, T, H, dk)
+        k = k.view(B, T, H, dk)  # KLA: raw keys, that is the point
+        if not self.kaczmarz:
+            k = F.normalize(k, dim=-1)
+        v = v.view(B, T, H, dv)
+        eta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        o, st["state"] = linear_attention(q, k, v, g, eta, backend=self.backend, eps=self.eps,
+                                          initial_state=st.get("state"), output_final_state=cache is not None,
+                                          kaczmarz=self.kaczmarz, chunk_size=self.chunk_size)
+        o = self.o_norm(o.to(x.dtype)) * F.silu(self.g_proj(x).view(B, T, H, dv))
+        return self.o_proj(o.reshape(B, T, H * dv))
+
+
+def rope(x, pos0, theta):
+    """Rotary position embedding on (B, T, H, D), positions pos0 .. pos0 + T - 1 (rotate-half form)."""
+    T, D = x.shape[1], x.shape[-1]
+    freqs = theta ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    angles = torch.arange(pos0, pos0 + T, device=x.device, dtype=torch.float32)[:, None] * freqs  # (T, D/2)
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal softmax attention with RoPE (the Transformer++ baseline); the cache holds keys and values."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.theta = config.n_head, config.rope_theta
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cache=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # (B, T, H, D)
+        past = 0 if cache is None or "k" not in cache else cache["k"].shape[1]
+        q, k = rope(q, past, self.theta), rope(k, past, self.theta)
+        if cache is not None:
+            if past:
+                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+            cache["k"], cache["v"] = k, v
+        # causal with the queries aligned to the end of the keys (the newest tokens)
+        mask = None if past == 0 or T == 1 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=past == 0 and T > 1)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.mlp_hidden or 64 * math.ceil(8 * config.n_embd / 3 / 64)
+        self.gate_up = nn.Linear(config.n_embd, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mixer = Attention(config) if config.mixer == "attn" else DeltaMixer(config)
+        self.norm2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None):
+        x = x + self.mixer(self.norm1(x), cache)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith("o_proj.weight") or name.endswith("mlp.down.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def get_num_params(self):
+        return sum(p.numel() for p in self.parameters())  # the tied embedding counts once
+
+    def set_backend(self, device_type):
+        """Choose the linear-attention path once for this device (see resolve_backend)."""
+        backend = resolve_backend(self.config.backend, device_type)
+        for block in self.blocks:
+            if isinstance(block.mixer, DeltaMixer):
+                block.mixer.backend = backend
+        return backend
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, T) token ids. With targets: logits at every position and the mean loss (targets of -1
+        are ignored). Without: logits at the last position only. cache: a list of one dict per layer,
+        read and updated in place, so that a later call continues the sequence (see new_cache)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
+        x = self.wte(idx)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache[i])
+        x = self.norm_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def new_cache(self):
+        return [dict() for _ in self.blocks]
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        # matrices (linear, embedding, conv weights) decay; vectors (norms, biases, A_log, dt_bias) do not
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def flops_per_token(self, T):
+        """Forward + backward FLOPs per token at sequence length T: 6 N for the weights, plus the
+        mixer's own matmuls (causal attention, or the chunkwise delta rule of KLA / GDN)."""
+        cfg, d = self.config, self.config.n_embd
+        if cfg.mixer == "attn":
+            mixer = 2 * 2 * d * T / 2  # QK^T and AV, causal half
+        else:
+            dk, dv, C = cfg.expand_k * d / cfg.n_head, cfg.expand_v * d / cfg.n_head, min(cfg.chunk_size, T)
+            # per head: K K^T, Q K^T, T (V, K), intra-chunk attn @ U (4C(dk+dv)), K S, Q S, K^T U (6 dk dv)
+            mixer = cfg.n_head * (4 * C * (dk + dv) + 6 * dk * dv)
+        return 6 * self.get_num_params() + 3 * cfg.n_layer * mixer
+
+    def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
+        """Model FLOPs utilisation: achieved FLOP/s over peak_flops (e.g. 989e12 for H100/H200 bf16)."""
+        return self.flops_per_token(self.config.block_size) * tokens_per_iter / dt / peak_flops
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
+        path; every later token costs O(1) from the carried state (attention: its KV cache)."""
+        cache = self.new_cache()
+        logits, _ = self(idx, cache=cache)
+        for i in range(max_new_tokens):
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                idx_next = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            yield idx_next
+            if i + 1 < max_new_tokens:
+                logits, _ = self(idx_next, cache=cache)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """nanoGPT's interface: the prompt (B, T) followed by max_new_tokens sampled tokens."""
+        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k)], 1)
