@@ -1,0 +1,388 @@
+"""
+The test suite (pytest, CPU). Run: python -m pytest test_kla.py
+The kernel tests run kernel.py in Triton's interpreter on CPU tensors; the GPU checks are in test_gpu.py.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model
+from model import GPT, GPTConfig, kla_chunkwise, kla_recurrent
+
+torch.set_num_threads(2)
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b||; the absolute error where the reference is exactly zero."""
+    diff, ref = (a.double() - b.double()).norm().item(), b.double().norm().item()
+    return diff / ref if ref > 0 else diff
+
+
+def make_inputs(B=2, T=37, H=2, K=8, V=6, dtype=torch.float64, norm_range=(0.0, 0.0), decay=0.5, seed=0):
+    """Random inputs; key norms log-uniform in 10**norm_range, decays g in [-decay, 0]."""
+    gen = torch.Generator().manual_seed(seed)
+    norms = 10 ** torch.empty(B, T, H, 1, dtype=torch.float64).uniform_(*norm_range, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, dtype=torch.float64, generator=gen), dim=-1) * norms
+    q = torch.randn(B, T, H, K, dtype=torch.float64, generator=gen)
+    v = torch.randn(B, T, H, V, dtype=torch.float64, generator=gen)
+    g = -decay * torch.rand(B, T, H, dtype=torch.float64, generator=gen)
+    eta = torch.rand(B, T, H, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(B, H, K, V, dtype=torch.float64, generator=gen)
+    return [x.to(dtype) for x in (q, k, v, g, eta, h0)]
+
+
+def outputs_and_grads(fn, inputs, use_h0=True, **kw):
+    """o, final state and the gradients of a fixed random loss w.r.t. q, k, v, g, eta (and h0)."""
+    q, k, v, g, eta, h0 = [x.clone().requires_grad_() for x in inputs]
+    o, S = fn(q, k, v, g, eta, initial_state=h0 if use_h0 else None, output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(1234)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum() \
+        + (S * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.dtype)).sum()
+    wrt = (q, k, v, g, eta) + ((h0,) if use_h0 else ())
+    return [o, S, *torch.autograd.grad(loss, wrt)]
+
+
+NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "deta", "dh0"]
+
+# -----------------------------------------------------------------------------
+# The reference functions
+
+
+def literal_recurrence(q, k, v, g, eta, h0, eps=1e-6):
+    """KLA.md's recurrence, one head and one token at a time, as plainly as it is written there."""
+    B, T, H, K = q.shape
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype)
+    S_all = h0.clone()
+    for b in range(B):
+        for h in range(H):
+            S = h0[b, h].clone()
+            for t in range(T):
+                kt, vt = k[b, t, h], v[b, t, h]
+                S_tilde = math.exp(g[b, t, h]) * S
+                e = vt - S_tilde.T @ kt
+                beta = eta[b, t, h] / (kt @ kt + eps)
+                S = S_tilde + beta * torch.outer(kt, e)
+                o[b, t, h] = S.T @ (K ** -0.5 * q[b, t, h])
+            S_all[b, h] = S
+    return o, S_all
+
+
+def test_recurrent_matches_literal_recurrence():
+    q, k, v, g, eta, h0 = make_inputs(B=2, T=9, H=2, K=4, V=3, norm_range=(-2, 2))
+    o_ref, S_ref = literal_recurrence(q, k, v, g, eta, h0)
+    o, S = kla_recurrent(q, k, v, g, eta, initial_state=h0, output_final_state=True)
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
+
+
+@pytest.mark.parametrize("T,C", [(1, 64), (37, 16), (64, 64), (130, 64), (100, 32), (50, 1)])
+@pytest.mark.parametrize("use_h0", [True, False])
+@pytest.mark.parametrize("kaczmarz", [True, False])
+def test_chunkwise_matches_recurrent_float64(T, C, use_h0, kaczmarz):
+    inputs = make_inputs(T=T, norm_range=(-1, 1))
+    ref = outputs_and_grads(kla_recurrent, inputs, use_h0, kaczmarz=kaczmarz)
+    out = outputs_and_grads(kla_chunkwise, inputs, use_h0, kaczmarz=kaczmarz, chunk_size=C)
+    for name, a, b in zip(NAMES, out, ref):
+        assert rel_err(a, b) < 1e-10, name
+
+
+@pytest.mark.parametrize("norm_range", [(-3, -3), (3, 3), (-3, 3)])
+def test_extreme_key_norms_float64(norm_range):
+    """Key norms from 1e-3 to 1e3 (also mixed inside one chunk, where beta k_i.k_j ~ r_j / r_i)."""
+    inputs = make_inputs(T=70, norm_range=norm_range)
+    ref = outputs_and_grads(kla_recurrent, inputs)
+    out = outputs_and_grads(kla_chunkwise, inputs, chunk_size=32)
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all() and rel_err(a, b) < 1e-10, name
+
+
+@pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
+def test_float32_against_float64(fn):
+    inputs = make_inputs(T=100, norm_range=(-1, 1))
+    ref = outputs_and_grads(kla_recurrent, inputs)
+    out = outputs_and_grads(fn, [x.float() for x in inputs])
+    assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
+    for name, a, b in zip(NAMES, out, ref):
+        assert rel_err(a, b) < 1e-4, name
+
+
+@pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
+def test_zero_keys_are_finite(fn):
+    q, k, v, g, eta, h0 = make_inputs(T=20)
+    k[:, ::3] = 0.0  # beta = eta / eps there, but the write beta k e^T is zero
+    out = outputs_and_grads(fn, [q, k, v, g, eta, h0])
+    assert all(torch.isfinite(x).all() for x in out)
+    o_ref, _ = literal_recurrence(q, k, v, g, eta, h0)
+    assert rel_err(out[0], o_ref) < 1e-10
+
+
+def test_bf16_inputs_keep_dtype_and_state_float32():
+    q, k, v, g, eta, _ = make_inputs(T=40, dtype=torch.float32)
+    o, S = kla_chunkwise(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, eta, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o_ref, _ = kla_recurrent(q.double(), k.bfloat16().double(), v.bfloat16().double(), g.double(), eta.double())
+    assert rel_err(o, o_ref) < 1e-2
+
+
+@pytest.mark.parametrize("C", [4, 16, 64, 128])
+def test_chunk_size_invariance(C):
+    inputs = make_inputs(T=77)
+    ref = outputs_and_grads(kla_chunkwise, inputs, chunk_size=64)
+    out = outputs_and_grads(kla_chunkwise, inputs, chunk_size=C)
+    for name, a, b in zip(NAMES, out, ref):
+        assert rel_err(a, b) < 1e-10, name
+
+
+@pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
+def test_split_sequence_with_carried_state(fn):
+    q, k, v, g, eta, h0 = make_inputs(T=90)
+    o, S = fn(q, k, v, g, eta, initial_state=h0, output_final_state=True)
+    s = 41
+    o1, S1 = fn(q[:, :s], k[:, :s], v[:, :s], g[:, :s], eta[:, :s], initial_state=h0, output_final_state=True)
+    o2, S2 = fn(q[:, s:], k[:, s:], v[:, s:], g[:, s:], eta[:, s:], initial_state=S1, output_final_state=True)
+    assert rel_err(torch.cat([o1, o2], 1), o) < 1e-12 and rel_err(S2, S) < 1e-12
+
+
+def test_scale_and_gdn_beta():
+    q, k, v, g, eta, h0 = make_inputs(T=5)
+    o1, _ = kla_recurrent(q, k, v, g, eta, scale=1.0)
+    o2, _ = kla_recurrent(q, k, v, g, eta)
+    assert rel_err(o2, o1 * q.shape[-1] ** -0.5) < 1e-12
+    # GDN with unit keys and eta equals KLA with the same keys and eta * (1 + eps)
+    kn = F.normalize(k, dim=-1)
+    o_gdn, _ = kla_recurrent(q, kn, v, g, eta, kaczmarz=False)
+    o_kla, _ = kla_recurrent(q, kn, v, g, eta * (1 + 1e-6))
+    assert rel_err(o_gdn, o_kla) < 1e-12
+
+# -----------------------------------------------------------------------------
+# The four properties of the Kaczmarz step (eta = 1, eps = 0, no decay), and the partial step
+
+
+def one_write(S0, k, v, eta=1.0, eps=0.0):
+    """S_1 after one token (B = H = 1), through kla_recurrent."""
+    K, V = S0.shape
+    o, S1 = kla_recurrent(torch.zeros(1, 1, 1, K, dtype=S0.dtype), k.view(1, 1, 1, K), v.view(1, 1, 1, V),
+                          torch.zeros(1, 1, 1, dtype=S0.dtype), torch.full((1, 1, 1), eta, dtype=S0.dtype),
+                          eps=eps, initial_state=S0.view(1, 1, K, V), output_final_state=True)
+    return S1.view(K, V)
+
+
+@pytest.fixture
+def step_case():
+    gen = torch.Generator().manual_seed(7)
+    K, V = 6, 4
+    S0 = torch.randn(K, V, dtype=torch.float64, generator=gen)
+    k = 3.7 * torch.randn(K, dtype=torch.float64, generator=gen)  # raw key, norm far from 1
+    v = torch.randn(V, dtype=torch.float64, generator=gen)
+    return S0, k, v
+
+
+def test_property_projection(step_case):
+    """(1) After the write the state reproduces the value exactly: S_t^T k_t = v_t."""
+    S0, k, v = step_case
+    S1 = one_write(S0, k, v)
+    assert rel_err(S1.T @ k, v) < 1e-13
+    assert rel_err(S0.T @ k, v) > 0.1  # it did not hold before
+
+
+def test_property_minimum_norm(step_case):
+    """(2) S_t is the closest state to S~ (Frobenius) among all S with S^T k = v."""
+    S0, k, v = step_case
+    S1 = one_write(S0, k, v)
+    gen = torch.Generator().manual_seed(3)
+    khat = k / k.norm()
+    for _ in range(20):
+        N = torch.randn(S0.shape, dtype=torch.float64, generator=gen)
+        N = N - torch.outer(khat, khat @ N)  # N^T k = 0, so S1 + N is feasible too
+        assert rel_err((S1 + N).T @ k, v) < 1e-12
+        assert (S1 + N - S0).norm() > (S1 - S0).norm()
+    # the change is exactly rank one along k
+    assert torch.linalg.matrix_rank(S1 - S0).item() == 1
+
+
+def test_property_exact_line_search(step_case):
+    """(3) beta = 1 / ||k||^2 minimises 0.5 ||(S~ + beta k e^T)^T k - v||^2 over beta."""
+    S0, k, v = step_case
+    e = v - S0.T @ k
+    beta_star = ((one_write(S0, k, v) - S0) @ e / (k * (e @ e))).mean()  # the beta the write used
+    assert abs(beta_star.item() - 1 / (k @ k).item()) < 1e-14
+    beta = torch.tensor(beta_star.item(), dtype=torch.float64, requires_grad=True)
+    f = 0.5 * ((S0 + beta * torch.outer(k, e)).T @ k - v).pow(2).sum()
+    (df,) = torch.autograd.grad(f, beta)
+    assert abs(df.item()) < 1e-14 * (k @ k).item() * (e @ e).item()  # zero, relative to its scale
+    for factor in (0.9, 1.1):
+        f_other = 0.5 * ((S0 + factor * beta_star * torch.outer(k, e)).T @ k - v).pow(2).sum()
+        assert f_other > f
+
+
+def test_property_normalised_sgd(step_case):
+    """(4) The write is S~ - (eta / ||k||^2) grad of 0.5 ||S^T k - v||^2 at S~."""
+    S0, k, v = step_case
+    S = S0.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(0.5 * (S.T @ k - v).pow(2).sum(), S)
+    for eta in (1.0, 0.3):
+        assert rel_err(one_write(S0, k, v, eta=eta), S0 - eta / (k @ k) * grad) < 1e-13
+
+
+def test_partial_step_shrinks_residual(step_case):
+    """With eta < 1 and eps > 0 the residual shrinks by exactly 1 - eta ||k||^2 / (||k||^2 + eps)."""
+    S0, k, v = step_case
+    eta, eps = 0.4, 0.5
+    S1 = one_write(S0, k, v, eta=eta, eps=eps)
+    shrink = 1 - eta * (k @ k) / (k @ k + eps)
+    assert rel_err(v - S1.T @ k, shrink * (v - S0.T @ k)) < 1e-13
+
+# -----------------------------------------------------------------------------
+# Errors
+
+
+def test_input_errors_name_the_problem():
+    q, k, v, g, eta, h0 = make_inputs(T=8, dtype=torch.float32)
+    cases = [
+        ((q[0], k, v, g, eta), {}, "q must be"),
+        ((q, k[..., :4], v, g, eta), {}, "k must have"),
+        ((q, k, v[:, :4], g, eta), {}, "v must be"),
+        ((q, k, v, g[..., :1], eta), {}, "g must be"),
+        ((q, k, v, g, eta[:, :2]), {}, "eta must be"),
+        ((q, k, v, -g, eta), {}, "g is a log decay"),
+        ((q.long(), k, v, g, eta), {}, "q must be a floating-point"),
+        ((q, k, v, g, eta), {"initial_state": h0[..., :2]}, "initial_state must be"),
+        ((q[:, :0], k[:, :0], v[:, :0], g[:, :0], eta[:, :0]), {}, "empty"),
+    ]
+    for fn in (kla_recurrent, kla_chunkwise):
+        for args, kw, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                fn(*args, **kw)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="mixer"):
+        GPTConfig(mixer="lstm")
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="backend"):
+        model.resolve_backend("cuda-magic", "cpu")
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+def tiny_config(mixer, **kw):
+    return GPTConfig(**{**dict(block_size=64, vocab_size=61, n_layer=2, n_head=2, n_embd=32, mixer=mixer,
+                               chunk_size=16), **kw})
+
+
+@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+def test_generation_matches_full_forward(mixer):
+    """Prefill + one token at a time from the carried state gives the full forward's logits."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config(mixer)).eval()
+    idx = torch.randint(0, 61, (3, 45))
+    with torch.no_grad():
+        full, _ = m(idx, targets=idx)  # (B, T, vocab)
+        cache = m.new_cache()
+        steps = [m(idx[:, :20], cache=cache)[0]]
+        steps += [m(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 45)]
+    stepped = torch.cat(steps, 1)  # logits at positions 19 .. 44
+    assert rel_err(stepped, full[:, 19:]) < 1e-5
+    if mixer != "attn":  # O(1) decoding: the carried state does not grow with the context
+        assert cache[0]["state"].shape == (3, 2, m.blocks[0].mixer.dk, m.blocks[0].mixer.dv)
+        assert cache[0]["k_conv"].shape[-1] == m.config.conv_size - 1
+
+
+@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+def test_greedy_generate_matches_argmax_of_forward(mixer):
+    torch.manual_seed(1)
+    m = GPT(tiny_config(mixer)).eval()
+    prompt = torch.randint(0, 61, (2, 7))
+    out = m.generate(prompt, max_new_tokens=12, temperature=0)
+    assert out.shape == (2, 19) and torch.equal(out[:, :7], prompt)
+    with torch.no_grad():
+        for t in range(7, 19):  # every generated token is the argmax of a fresh full forward
+            logits, _ = m(out[:, :t])
+            assert torch.equal(logits[:, -1].argmax(-1), out[:, t])
+
+
+def test_backends_agree_in_the_model():
+    torch.manual_seed(0)
+    m = GPT(tiny_config("kla"))
+    assert m.set_backend("cpu") == "chunkwise"  # 'auto' on a CPU
+    rec = GPT(tiny_config("kla", backend="recurrent"))
+    rec.load_state_dict(m.state_dict())
+    assert rec.set_backend("cpu") == "recurrent"
+    idx = torch.randint(0, 61, (2, 40))
+    logits_chunk, _ = m(idx, targets=idx)
+    logits_rec, _ = rec(idx, targets=idx)
+    assert rel_err(logits_chunk, logits_rec) < 1e-5
+
+
+def test_kla_keys_raw_gdn_keys_normalised():
+    """The one difference between the two delta-rule mixers: KLA leaves keys raw and derives beta."""
+    seen = {}
+    orig = model.linear_attention
+
+    def spy(q, k, v, g, eta, **kw):
+        seen["q"], seen["k"], seen["kaczmarz"] = q, k, kw["kaczmarz"]
+        return orig(q, k, v, g, eta, **kw)
+
+    model.linear_attention = spy
+    try:
+        for mixer in ("kla", "gdn"):
+            torch.manual_seed(0)
+            GPT(tiny_config(mixer, n_layer=1))(torch.randint(0, 61, (1, 10)))
+            assert torch.allclose(seen["q"].norm(dim=-1), torch.ones(()), atol=1e-5)
+            k_norm = seen["k"].norm(dim=-1)
+            assert seen["kaczmarz"] == (mixer == "kla")
+            assert torch.allclose(k_norm, torch.ones(()), atol=1e-5) == (mixer == "gdn")
+    finally:
+        model.linear_attention = orig
+
+
+def test_decay_initialisation():
+    torch.manual_seed(0)
+    mixer = GPT(tiny_config("kla", n_head=8, n_embd=64, n_layer=1)).blocks[0].mixer
+    A = mixer.A_log.exp()
+    dt = F.softplus(mixer.dt_bias)
+    assert ((A > 0) & (A < 16)).all()
+    assert ((dt >= 1e-4 - 1e-9) & (dt <= 0.1 + 1e-9)).all()
+    assert mixer.dk == 0.75 * 64 / 8 and mixer.dv == 1.5 * 64 / 8
+
+
+def test_no_weight_decay_on_vectors():
+    m = GPT(tiny_config("kla"))
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    no_decay = {id(p) for grp in opt.param_groups if grp["weight_decay"] == 0 for p in grp["params"]}
+    for name, p in m.named_parameters():
+        vector = any(s in name for s in ("A_log", "dt_bias", "norm", "bias"))
+        assert (id(p) in no_decay) == vector, name
+    assert sum(len(grp["params"]) for grp in opt.param_groups) == len(list(m.parameters()))
+
+
+def test_flops_and_mfu():
+    m = GPT(tiny_config("kla"))
+    f_kla = m.flops_per_token(64)
+    assert f_kla > 6 * m.get_num_params()
+    assert m.estimate_mfu(tokens_per_iter=1000, dt=1.0, peak_flops=f_kla * 1000) == pytest.approx(1.0)
+    attn = GPT(tiny_config("attn"))
+    assert attn.flops_per_token(2048) > attn.flops_per_token(64)  # attention grows with T, KLA does not
+    assert m.flops_per_token(2048) == m.flops_per_token(4096)
+
+
+@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+def test_model_trains(mixer):
+    """A few steps on a repeated pattern lower the loss, and every parameter gets a gradient."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config(mixer))
+    opt = m.configure_optimizers(0.0, 3e-3, (0.9, 0.95), "cpu")
+    idx = torch.arange(33).repeat(4, 1) % 11
+    losses = []
+    for _ in range(30):
+        _, loss = m(idx[:, :-1], targets=idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert losses[-1] < 0.5 * losses[0]
