@@ -1,0 +1,548 @@
+"""
+Triton kernels for Kaczmarz Linear Attention (KLA): chunkwise forward and backward, and a decode step.
+
+Per head, with the state S (K x V) in float32 and beta_t = eta_t / (||k_t||^2 + eps) (KLA) or eta_t (GDN):
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T (scale q_t)
+
+Chunkwise form (chunk of C = 64 tokens, b = the cumulative sum of g inside the chunk, S0 the state
+entering the chunk, Gamma_ij = exp(b_i - b_j) for i >= j, else 0):
+
+    Ar  = (I + StrictTril(Diag(beta) K K^T))^-1       gate-free; the decay is put back elementwise:
+    P   = Gamma o (Ar Diag(beta))                      = (I + StrictTril(Diag(beta) (K K^T o Gamma)))^-1 Diag(beta)
+    Vn  = V - Diag(exp b) K S0                         (C x V) the residuals against the decayed state
+    U   = P Vn                                         (C x V) the "new values" beta_t e_t
+    O   = scale (Diag(exp b) Q S0 + (Gamma o Q K^T) U)
+    S1  = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
+
+Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)):
+    _prep_kernel      grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32 by 16 x 16
+                      forward substitution and blockwise merges; Ar stored in bf16 (fp32 for fp32 input).
+    _fwd_kernel       grid (V / BV, B*H): one program walks the chunks in order with S in registers;
+                      saves S0 of every chunk for the backward when a gradient is needed.
+    _bwd_state_kernel grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv and dS1
+                      of every chunk, and the gradient of the initial state.
+    _bwd_chunk_kernel grid (chunks, B*H): dq, dk (WY backward and the beta chain rule included), dg
+                      (reverse cumsum of the gate gradients) and deta, from S0 and dS1.
+    _step_kernel      grid (V / BV, B*H): one decoding token, the state read and written once.
+
+On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
+(fla #640). Here only tiles loaded from memory are transposed; the one product that needs a transposed
+computed matrix (E^T K in the WY backward) sends E through a scratch buffer.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+C_CHUNK = 64
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# -----------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _ld(base, rows, cols, n_rows, n_cols, stride_r, stride_c):
+    """A 2-D tile, zero outside (n_rows, n_cols)."""
+    m = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(base + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=m, other=0.)
+
+
+@triton.jit
+def _st(base, rows, cols, n_rows, n_cols, stride_r, stride_c, x):
+    m = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(base + rows[:, None] * stride_r + cols[None, :] * stride_c, x.to(base.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _inv_unit_lower16(A):
+    """(I + A)^-1 for a strictly lower triangular 16 x 16 float32 A, by forward substitution."""
+    r = tl.arange(0, 16)
+    Ai = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in tl.static_range(1, 16):
+        a = tl.sum(tl.where(r[:, None] == i, A, 0.), 0)  # row i of A, indexed by column
+        # row i of the inverse: e_i - sum_{j < i} a_j Ai[j, :]
+        row = -tl.sum(a[:, None] * Ai, 0)
+        Ai = tl.where(r[:, None] == i, Ai + row[None, :], Ai)
+    return Ai
+
+
+@triton.jit
+def _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps,
+          K: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr):
+    """16 rows of k (zero past T) and their beta, which is also stored."""
+    t = t0 + tl.arange(0, 16)
+    c = tl.arange(0, BK)
+    m = t < T
+    bk = tl.load(k + ((i_b * T + t[:, None]) * H + i_h) * K + c[None, :], mask=m[:, None] & (c[None, :] < K), other=0.)
+    e = tl.load(eta + (i_b * T + t) * H + i_h, mask=m, other=0.)
+    if KACZ:
+        kf = bk.to(tl.float32)
+        beta = e / (tl.sum(kf * kf, 1) + eps)
+    else:
+        beta = e
+    tl.store(beta_out + i_bh * Tp + t, beta)
+    return bk, beta
+
+
+@triton.jit
+def _kkt16(ki, kj, beta_i, DIAG: tl.constexpr, PREC: tl.constexpr):
+    """One 16 x 16 block of StrictTril(Diag(beta) K K^T) in float32."""
+    A = tl.dot(ki, tl.trans(kj), input_precision=PREC) * beta_i[:, None]
+    if DIAG:
+        r = tl.arange(0, 16)
+        A = tl.where(r[:, None] > r[None, :], A, 0.)
+    return A
+
+
+@triton.jit
+def _store16(ar, base, bi: tl.constexpr, bj: tl.constexpr, X, C: tl.constexpr):
+    r = tl.arange(0, 16)
+    tl.store(ar + base + (bi * 16 + r[:, None]) * C + bj * 16 + r[None, :], X.to(ar.dtype.element_ty))
+
+
+# -----------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
+                 K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, PREC: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    r = tl.arange(0, C)
+    gg = tl.load(g + (i_b * T + t0 + r) * H + i_h, mask=t0 + r < T, other=0.)
+    # the cumulative sum as a masked row sum (tl.cumsum next to tl.sum has crashed Triton 3.6)
+    bl = tl.sum(tl.where(r[:, None] >= r[None, :], gg[None, :], 0.), 1) * 1.4426950408889634
+    tl.store(bl_out + i_bh * Tp + t0 + r, bl)
+
+    k1, b1 = _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k2, b2 = _slab(k, eta, beta_out, t0 + 16, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k3, b3 = _slab(k, eta, beta_out, t0 + 32, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k4, b4 = _slab(k, eta, beta_out, t0 + 48, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    I1 = _inv_unit_lower16(_kkt16(k1, k1, b1, True, PREC))
+    I2 = _inv_unit_lower16(_kkt16(k2, k2, b2, True, PREC))
+    I3 = _inv_unit_lower16(_kkt16(k3, k3, b3, True, PREC))
+    I4 = _inv_unit_lower16(_kkt16(k4, k4, b4, True, PREC))
+    A21 = _kkt16(k2, k1, b2, False, PREC)
+    A31 = _kkt16(k3, k1, b3, False, PREC)
+    A32 = _kkt16(k3, k2, b3, False, PREC)
+    A41 = _kkt16(k4, k1, b4, False, PREC)
+    A42 = _kkt16(k4, k2, b4, False, PREC)
+    A43 = _kkt16(k4, k3, b4, False, PREC)
+    # block forward substitution: I_ij = -I_ii sum_{j <= m < i} A_im I_mj
+    I21 = -tl.dot(I2, tl.dot(A21, I1, input_precision=PREC), input_precision=PREC)
+    I32 = -tl.dot(I3, tl.dot(A32, I2, input_precision=PREC), input_precision=PREC)
+    I43 = -tl.dot(I4, tl.dot(A43, I3, input_precision=PREC), input_precision=PREC)
+    I31 = -tl.dot(I3, tl.dot(A31, I1, input_precision=PREC) + tl.dot(A32, I21, input_precision=PREC),
+                  input_precision=PREC)
+    I42 = -tl.dot(I4, tl.dot(A42, I2, input_precision=PREC) + tl.dot(A43, I32, input_precision=PREC),
+                  input_precision=PREC)
+    I41 = -tl.dot(I4, tl.dot(A41, I1, input_precision=PREC) + tl.dot(A42, I21, input_precision=PREC)
+                  + tl.dot(A43, I31, input_precision=PREC), input_precision=PREC)
+    base = (i_bh * Tp + t0) * C
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store16(ar_out, base, 0, 0, I1, C)
+    _store16(ar_out, base, 0, 1, zero, C)
+    _store16(ar_out, base, 0, 2, zero, C)
+    _store16(ar_out, base, 0, 3, zero, C)
+    _store16(ar_out, base, 1, 0, I21, C)
+    _store16(ar_out, base, 1, 1, I2, C)
+    _store16(ar_out, base, 1, 2, zero, C)
+    _store16(ar_out, base, 1, 3, zero, C)
+    _store16(ar_out, base, 2, 0, I31, C)
+    _store16(ar_out, base, 2, 1, I32, C)
+    _store16(ar_out, base, 2, 2, I3, C)
+    _store16(ar_out, base, 2, 3, zero, C)
+    _store16(ar_out, base, 3, 0, I41, C)
+    _store16(ar_out, base, 3, 1, I42, C)
+    _store16(ar_out, base, 3, 2, I43, C)
+    _store16(ar_out, base, 3, 3, I4, C)
+
+
+@triton.jit
+def _fwd_kernel(q, k, v, bl_ptr, beta_ptr, ar, h0, o, ht, hs, T, H, Tp, scale,
+                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
+                DT: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    N = tl.cdiv(T, C)
+    dt = DT
+    r = tl.arange(0, C)
+    causal = r[:, None] >= r[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        S += _ld(h0 + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1).to(tl.float32)
+    for n in range(N):
+        t0 = n * C
+        if SAVE_H:
+            _st(hs + (i_bh * N + n) * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, S.to(hs.dtype.element_ty))
+        bq = _ld(q + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
+        bk = _ld(k + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
+        bv = _ld(v + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(tl.float32)
+        bl = tl.load(bl_ptr + i_bh * Tp + t0 + r)
+        beta = tl.load(beta_ptr + i_bh * Tp + t0 + r)
+        blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
+        bar = tl.load(ar + (i_bh * Tp + t0 + r[:, None]) * C + r[None, :]).to(tl.float32)
+        eb = tl.exp2(bl)
+        gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))  # masked before exp2
+        P = (bar * beta[None, :] * gam).to(dt)
+        Vn = bv - eb[:, None] * tl.dot(bk, S.to(dt), input_precision=PREC)
+        U = tl.dot(P, Vn.to(dt), input_precision=PREC)
+        Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.)
+        bo = eb[:, None] * tl.dot(bq, S.to(dt), input_precision=PREC)
+        bo += tl.dot(Aqk.to(dt), U.to(dt), input_precision=PREC)
+        _st(o + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1, (bo * scale).to(o.dtype.element_ty))
+        S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
+    if STORE_HT:
+        _st(ht + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, S)
+
+
+@triton.jit
+def _bwd_state_kernel(q, k, do, bl_ptr, beta_ptr, ar, dht, dv, dhs, dh0, T, H, Tp, scale,
+                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1;  dVn = P^T dU (= dv);
+    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    N = tl.cdiv(T, C)
+    dt = DT
+    r = tl.arange(0, C)
+    causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        dS += _ld(dht + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1).to(tl.float32)
+    for n in range(N - 1, -1, -1):
+        t0 = n * C
+        _st(dhs + (i_bh * N + n) * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, dS.to(dhs.dtype.element_ty))
+        bq = _ld(q + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
+        bk = _ld(k + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
+        bdo = _ld(do + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(dt)
+        bl = tl.load(bl_ptr + i_bh * Tp + t0 + r)
+        beta = tl.load(beta_ptr + i_bh * Tp + t0 + r)
+        blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
+        bar_t = tl.load(ar + (i_bh * Tp + t0 + r[None, :]) * C + r[:, None]).to(tl.float32)  # Ar^T
+        eb = tl.exp2(bl)
+        gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
+        Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * gam_t, 0.)
+        P_t = (bar_t * beta[:, None] * gam_t).to(dt)
+        kc = (bk * tl.exp2(blC - bl)[:, None]).to(dt)
+        dU = scale * tl.dot(Aqk_t.to(dt), bdo, input_precision=PREC) + tl.dot(kc, dS.to(dt), input_precision=PREC)
+        dVn = tl.dot(P_t, dU.to(dt), input_precision=PREC)
+        _st(dv + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1, dVn.to(dv.dtype.element_ty))
+        dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
+        dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
+    if STORE_DH0:
+        _st(dh0 + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, dS)
+
+
+@triton.jit
+def _bwd_chunk_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, scratch, dq, dk, dg, deta,
+                      T, H, Tp, scale, eps,
+                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      KACZ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    N = tl.cdiv(T, C)
+    t0 = i_n * C
+    dt = DT
+    r = tl.arange(0, C)
+    causal = r[:, None] >= r[None, :]
+    causal_t = r[:, None] <= r[None, :]
+    bq = _ld(q + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
+    bk = _ld(k + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
+    bl = tl.load(bl_ptr + i_bh * Tp + t0 + r)
+    beta = tl.load(beta_ptr + i_bh * Tp + t0 + r)
+    blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
+    bar = tl.load(ar + (i_bh * Tp + t0 + r[:, None]) * C + r[None, :]).to(tl.float32)
+    bar_t = tl.load(ar + (i_bh * Tp + t0 + r[None, :]) * C + r[:, None]).to(tl.float32)
+    eb = tl.exp2(bl)
+    ecb = tl.exp2(blC - bl)
+    gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
+    gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
+    Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * gam_t, 0.)
+    P = bar * beta[None, :] * gam
+    P_t = bar_t * beta[:, None] * gam_t
+    kc = (bk * ecb[:, None]).to(dt)
+
+    bdq = tl.zeros([C, BK], dtype=tl.float32)
+    bdk = tl.zeros([C, BK], dtype=tl.float32)
+    X = tl.zeros([C, BK], dtype=tl.float32)     # dO S0^T
+    Y = tl.zeros([C, C], dtype=tl.float32)      # dO V^T
+    dP = tl.zeros([C, C], dtype=tl.float32)     # dU Vn^T
+    dA_t = tl.zeros([C, C], dtype=tl.float32)   # U dO^T
+    db = tl.zeros([C], dtype=tl.float32)        # d/d b (natural log domain)
+    cS = tl.zeros([C], dtype=tl.float32)        # exp(b_C - b_i) k_i^T dS1 u_i
+    sS = tl.zeros([BK, BV], dtype=tl.float32)   # S0 o dS1, summed at the end
+    for i_v in range(tl.cdiv(V, BV)):
+        S0 = _ld(hs + (i_bh * N + i_n) * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1)
+        dS1 = _ld(dhs + (i_bh * N + i_n) * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1)
+        sS += S0.to(tl.float32) * dS1.to(tl.float32)
+        S0 = S0.to(dt)
+        dS1 = dS1.to(dt)
+        bv = _ld(v + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(dt)
+        bdo = _ld(do + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(dt)
+        bdv = _ld(dv + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(dt)
+        Vn = bv.to(tl.float32) - eb[:, None] * tl.dot(bk, S0, input_precision=PREC)
+        U = tl.dot(P.to(dt), Vn.to(dt), input_precision=PREC)
+        dU = scale * tl.dot(Aqk_t.to(dt), bdo, input_precision=PREC) + tl.dot(kc, dS1, input_precision=PREC)
+        X += tl.dot(bdo, tl.trans(S0), input_precision=PREC)
+        Y += tl.dot(bdo, tl.trans(bv), input_precision=PREC)
+        dA_t += tl.dot(U.to(dt), tl.trans(bdo), input_precision=PREC)
+        Wb = tl.dot((U * ecb[:, None]).to(dt), tl.trans(dS1), input_precision=PREC)  # d k from S1
+        cS += tl.sum(Wb * bk.to(tl.float32), 1)
+        Z = tl.dot(bdv, tl.trans(S0), input_precision=PREC)  # dVn S0^T
+        bdk += Wb - eb[:, None] * Z
+        db -= eb * tl.sum(Z * bk.to(tl.float32), 1)
+        # dU Vn^T = dU V^T - (dU S0^T K^T) Diag(exp b), without transposing the computed Vn
+        dUt = dU.to(dt)
+        dP += tl.dot(dUt, tl.trans(bv), input_precision=PREC)
+        dP -= tl.dot(tl.dot(dUt, tl.trans(S0), input_precision=PREC).to(dt), tl.trans(bk),
+                     input_precision=PREC) * eb[None, :]
+
+    # output path: dA = scale dO U^T = scale (dO Vn^T) P^T
+    dOVn = Y - tl.dot(X.to(dt), tl.trans(bk), input_precision=PREC) * eb[None, :]
+    dA = tl.where(causal, scale * tl.dot(dOVn.to(dt), P_t.to(dt), input_precision=PREC), 0.)
+    dA_t = tl.where(causal_t, scale * dA_t, 0.)
+    bdq += scale * eb[:, None] * X.to(tl.float32) + tl.dot((dA * gam).to(dt), bk, input_precision=PREC)
+    bdk += tl.dot((dA_t * gam_t).to(dt), bq, input_precision=PREC)
+    db += scale * eb * tl.sum(X * bq.to(tl.float32), 1)
+    Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.)
+    F = dA * Aqk
+    db += tl.sum(F, 1) - tl.sum(F, 0)
+    # state path
+    db -= cS
+    dbC = tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(tl.sum(sS, 1), 0)
+    db += tl.where(r == C - 1, dbC, 0.)
+    # WY path: P = Gamma o (Ar Diag(beta)), Ar = (I + A0)^-1, A0 = StrictTril(Diag(beta) K K^T)
+    dP = tl.where(causal, dP, 0.)
+    F = dP * P
+    db += tl.sum(F, 1) - tl.sum(F, 0)
+    dM = dP * gam
+    dbeta = tl.sum(dM * bar, 0)
+    dAr = dM * beta[None, :]
+    dA0 = -tl.dot(bar_t, tl.dot(dAr, bar_t, input_precision=PREC), input_precision=PREC)
+    strict = r[:, None] > r[None, :]
+    dA0 = tl.where(strict, dA0, 0.)
+    KK = tl.dot(bk, tl.trans(bk), input_precision=PREC)
+    dbeta += tl.sum(dA0 * KK, 1)
+    E = dA0 * beta[:, None]
+    bdk += tl.dot(E.to(dt), bk, input_precision=PREC)
+    # E^T K: E goes through memory so that no computed matrix is transposed in registers
+    p_s = scratch + ((i_bh * N + i_n) * C) * C
+    tl.store(p_s + r[:, None] * C + r[None, :], E)
+    tl.debug_barrier()
+    E_t = tl.load(p_s + r[None, :] * C + r[:, None])
+    bdk += tl.dot(E_t.to(dt), bk, input_precision=PREC)
+    # beta = eta / (||k||^2 + eps): d eta = dbeta / (r^2 + eps), dk += -2 dbeta beta / (r^2 + eps) k
+    t = t0 + r
+    m = t < T
+    if KACZ:
+        kf = bk.to(tl.float32)
+        rinv = 1.0 / (tl.sum(kf * kf, 1) + eps)
+        bdeta = dbeta * rinv
+        bdk += (-2.0 * dbeta * beta * rinv)[:, None] * kf
+    else:
+        bdeta = dbeta
+    # b = cumsum(g): dg_j = sum_{i >= j} db_i
+    bdg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
+    tl.store(dg + (i_b * T + t) * H + i_h, bdg, mask=m)
+    tl.store(deta + (i_b * T + t) * H + i_h, bdeta, mask=m)
+    _st(dq + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1, bdq.to(dq.dtype.element_ty))
+    _st(dk + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1, bdk.to(dk.dtype.element_ty))
+
+
+@triton.jit
+def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
+                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mv = rk < K, rv < V
+    bq = tl.load(q + i_bh * K + rk, mask=mk, other=0.).to(tl.float32)
+    bk = tl.load(k + i_bh * K + rk, mask=mk, other=0.).to(tl.float32)
+    bv = tl.load(v + i_bh * V + rv, mask=mv, other=0.).to(tl.float32)
+    gg = tl.load(g + i_bh).to(tl.float32)
+    beta = tl.load(eta + i_bh).to(tl.float32)
+    if KACZ:
+        beta = beta / (tl.sum(bk * bk, 0) + eps)
+    offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
+    ms = mk[:, None] & mv[None, :]
+    S = tl.load(s_in + offs, mask=ms, other=0.).to(tl.float32) * tl.exp(gg)
+    e = bv - tl.sum(S * bk[:, None], 0)
+    S += (beta * bk)[:, None] * e[None, :]
+    tl.store(o + i_bh * V + rv, (tl.sum(S * bq[:, None], 0) * scale).to(o.dtype.element_ty), mask=mv)
+    tl.store(s_out + offs, S, mask=ms)
+
+
+# -----------------------------------------------------------------------------
+# launch
+
+
+def _check(q, k, v, g, eta, initial_state, step=False):
+    """Shape, dtype and device checks that need no device synchronisation (CUDA graphs)."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
+        if not torch.is_tensor(x):
+            raise ValueError(f"{name} must be a tensor, got {type(x)}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{name} has dtype {x.dtype}; the Triton kernel takes bfloat16, float16 or float32 "
+                             "(use model.kla_chunkwise for float64)")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, T, H, K), got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got shape {tuple(v.shape)}")
+    for name, x in (("g", g), ("eta", eta)):
+        if x.shape != q.shape[:3]:
+            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got shape {tuple(x.shape)}")
+    if T == 0:
+        raise ValueError("the sequence is empty (T = 0)")
+    if step and T != 1:
+        raise ValueError(f"kla_step takes one token: q must be (B, 1, H, K), got T = {T}")
+    if K > 128:
+        raise ValueError(f"q and k have head size K = {K}; the kernel supports K <= 128")
+    if v.shape[-1] > 1024:
+        raise ValueError(f"v has head size V = {v.shape[-1]}; the kernel supports V <= 1024")
+    if initial_state is not None:
+        want = (B, H, K, v.shape[-1])
+        if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {tuple(getattr(initial_state, 'shape', ()))}")
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+
+
+def _block_k(K):
+    return max(16, triton.next_power_of_2(K))
+
+
+def _prec(x):
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _fwd_bv(BH, V):
+    """Block of value columns for the sequential kernels: enough programs to fill the 132 SMs."""
+    for BV in (64, 32):
+        if BH * triton.cdiv(V, BV) >= 256:
+            return min(BV, max(16, triton.next_power_of_2(V)))
+    return min(16 if V <= 64 else 32, max(16, triton.next_power_of_2(V)))
+
+
+def _dot_dtype(x):
+    """Tensor-core operand type: the input's, with float16 widened to bfloat16 (KLA's 1 / ||k||^2 range)."""
+    return tl.float32 if x.dtype == torch.float32 else tl.bfloat16
+
+
+def _nw(BK):
+    return 4 if BK <= 64 else 8
+
+
+class KLAChunkFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        C, BK = C_CHUNK, _block_k(K)
+        N = triton.cdiv(T, C)
+        Tp = N * C
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        g_dtype, eta_dtype = g.dtype, eta.dtype
+        g, eta = g.float().contiguous(), eta.float().contiguous()
+        h0 = None if initial_state is None else initial_state.float().contiguous()
+        dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
+        sdt = torch.float32 if q.dtype == torch.float32 else torch.bfloat16  # stored inverses and states
+        bl = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+        beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+        ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
+        _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
+                                 PREC=prec, num_warps=4)
+        o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
+        ht = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save else None
+        BV = _fwd_bv(B * H, V)
+        _fwd_kernel[(triton.cdiv(V, BV), B * H)](
+            q, k, v, bl, beta, ar, h0, o, ht, hs, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state, SAVE_H=save,
+            PREC=prec, DT=dt, num_warps=_nw(BK), num_stages=2)
+        if save:
+            ctx.save_for_backward(q, k, v, bl, beta, ar, hs)
+            ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, bl, beta, ar, hs = ctx.saved_tensors
+        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype = ctx.meta
+        has_h0 = h0_dtype is not None
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        C, BK = C_CHUNK, _block_k(K)
+        N = triton.cdiv(T, C)
+        Tp = N * C
+        dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
+        do = do.contiguous()
+        dv = torch.empty_like(v)
+        dhs = torch.empty_like(hs)
+        dh0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
+        dht = None if dht is None else dht.float().contiguous()
+        BV = _fwd_bv(B * H, V)
+        _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
+            q, k, do, bl, beta, ar, dht, dv, dhs, dh0, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, DT=dt,
+            num_warps=_nw(BK), num_stages=2)
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
+        deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
+        scratch = torch.empty(B * H * N, C, C, device=dev, dtype=torch.float32)
+        BVB = min(64 if BK <= 64 else 32, max(16, triton.next_power_of_2(V)))
+        _bwd_chunk_kernel[(N, B * H)](
+            q, k, v, do, dv, bl, beta, ar, hs, dhs, scratch, dq, dk, dg, deta, T, H, Tp, scale, eps,
+            K=K, V=V, C=C, BK=BK, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=8, num_stages=1)
+        dh0 = None if dh0 is None else dh0.to(h0_dtype)
+        return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None
+
+
+def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
+              kaczmarz=True):
+    """Chunkwise KLA (kaczmarz=True) or gated delta rule (kaczmarz=False) on CUDA (or in Triton's
+    interpreter). Same layout, defaults and return value as model.kla_chunkwise: (o (B, T, H, V) in
+    q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state."""
+    _check(q, k, v, g, eta, initial_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    save = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, eta, initial_state))
+    o, ht = KLAChunkFunction.apply(q, k, v, g, eta, initial_state, float(scale), float(eps),
+                                   bool(output_final_state), bool(kaczmarz), save)
+    return o, ht
+
+
+def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True):
+    """One decoding step for a batch: q, k (B, 1, H, K), v (B, 1, H, V), g, eta (B, 1, H), state
+    (B, H, K, V) float32. Returns (o (B, 1, H, V), new state). No host synchronisation: capturable
+    in a CUDA graph. Not differentiable."""
+    _check(q, k, v, g, eta, state, step=True)
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, eta = (x.contiguous() for x in (q, k, v, g, eta))
+    state = state.contiguous()
+    o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
+    new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    BK = _block_k(K)
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    _step_kernel[(triton.cdiv(V, BV), B * H)](q, k, v, g, eta, state, o, new_state, float(scale), float(eps),
+                                              K=K, V=V, BK=BK, BV=BV, KACZ=bool(kaczmarz), num_warps=4)
+    return o, new_state
