@@ -63,8 +63,12 @@ def check_inputs(q, k, v, g, eta, initial_state=None):
 
 
 def kla_beta(k, eta, eps=1e-6, kaczmarz=True):
-    """The delta-rule step size: Kaczmarz's eta / (||k||^2 + eps), or GDN's plain eta."""
-    return eta / (k.pow(2).sum(-1) + eps) if kaczmarz else eta
+    """The delta-rule step size: Kaczmarz's eta / (||k||^2 + eps), or GDN's plain eta.
+    With eps = 0 a zero key has nothing to project onto: beta = 0 there (no write), not 0 * inf."""
+    if not kaczmarz:
+        return eta
+    r2 = k.pow(2).sum(-1) + eps
+    return torch.where(r2 > 0, eta / r2.clamp_min(torch.finfo(r2.dtype).tiny), 0.0)
 
 
 def _upcast(q, k, v, g, eta, initial_state):

@@ -118,6 +118,24 @@ def test_zero_keys_are_finite(fn):
     assert rel_err(out[0], o_ref) < 1e-10
 
 
+@pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
+def test_edge_values(fn):
+    """eps = 0 (zero keys then write nothing), eta at 0 and 1, g = 0 (no decay): finite, and as the
+    literal recurrence says where it is defined."""
+    q, k, v, g, eta, h0 = make_inputs(T=20, norm_range=(-2, 2))
+    k[:, 5] = 0.0
+    eta[:, :4], eta[:, 4:8], g[:, 10:] = 0.0, 1.0, 0.0
+    out = outputs_and_grads(fn, [q, k, v, g, eta, h0], eps=0.0)
+    assert all(torch.isfinite(x).all() for x in out)
+    keep = torch.ones(20, dtype=torch.bool)
+    keep[5] = False  # the literal recurrence divides 0 by 0 at the zero key; without it they agree
+    o_ref, S_ref = literal_recurrence(*[x[:, keep] for x in (q, k, v, g, eta)], h0, eps=0.0)
+    o, S = fn(*[x[:, keep] for x in (q, k, v, g, eta)], initial_state=h0, output_final_state=True, eps=0.0)
+    assert rel_err(o, o_ref) < 1e-10 and rel_err(S, S_ref) < 1e-10
+    _, S5 = fn(*[x[:, 5:6] for x in (q, k, v, g, eta)], initial_state=h0, output_final_state=True, eps=0.0)
+    assert rel_err(S5, g[:, 5].exp()[..., None, None] * h0) < 1e-14  # the zero key only decayed the state
+
+
 def test_bf16_inputs_keep_dtype_and_state_float32():
     q, k, v, g, eta, _ = make_inputs(T=40, dtype=torch.float32)
     o, S = kla_chunkwise(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, eta, output_final_state=True)
