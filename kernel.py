@@ -446,7 +446,13 @@ def _dot_dtype(x):
 
 
 def _nw(BK):
+    """Warps of the sequential kernels."""
     return 4 if BK <= 64 else 8
+
+
+def _bwd_chunk_config(BK, V):
+    """(value columns per step, warps) of the token-parallel backward kernel."""
+    return min(64 if BK <= 64 else 32, max(16, triton.next_power_of_2(V))), 8
 
 
 class KLAChunkFunction(torch.autograd.Function):
@@ -507,10 +513,10 @@ class KLAChunkFunction(torch.autograd.Function):
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         scratch = torch.empty(B * H * N, C, C, device=dev, dtype=torch.float32)
-        BVB = min(64 if BK <= 64 else 32, max(16, triton.next_power_of_2(V)))
+        BVB, nw = _bwd_chunk_config(BK, V)
         _bwd_chunk_kernel[(N, B * H)](
             q, k, v, do, dv, bl, beta, ar, hs, dhs, scratch, dq, dk, dg, deta, T, H, Tp, scale, eps,
-            K=K, V=V, C=C, BK=BK, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=8, num_stages=1)
+            K=K, V=V, C=C, BK=BK, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
         return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None
 

@@ -1,0 +1,152 @@
+"""
+GPU correctness of kernel.py against the float64 reference (model.kla_chunkwise, run in float64 on the GPU).
+A script, not a pytest module (CI has no GPU): python test_gpu.py [--out=DIR] [--smoke]
+
+For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
+(q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
+Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph.
+--smoke runs two tiny cases on the CPU in Triton's interpreter (float32 only), to check the script itself.
+"""
+
+import math
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+import kernel
+import model
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def make_inputs(B, T, H, K, V, knorm, h0, device, gen):
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
+    lo, hi = math.log(knorm[0]), math.log(knorm[1])
+    k = k * torch.exp(lo + (hi - lo) * torch.rand(B, T, H, 1, device=device, generator=gen))
+    v = torch.randn(B, T, H, V, device=device, generator=gen)
+    # Mamba2-like decays: some heads slow, some fast
+    g = -torch.exp(torch.empty(B, T, H, device=device).uniform_(-6, 0, generator=gen))
+    eta = torch.rand(B, T, H, device=device, generator=gen)
+    s0 = torch.randn(B, H, K, V, device=device, generator=gen) if h0 else None
+    return q, k, v, g, eta, s0
+
+
+def check_chunk(B, T, H, K, V, dtype, h0, kaczmarz, knorm, device, gen):
+    q, k, v, g, eta, s0 = make_inputs(B, T, H, K, V, knorm, h0, device, gen)
+    ours = [x.to(dtype) for x in (q, k, v)] + [g, eta] + ([s0] if h0 else [])
+    ours = [x.clone().requires_grad_() for x in ours]
+    ref = [x.detach().double().requires_grad_() for x in ours]
+    o, ht = kernel.kla_chunk(*ours[:5], initial_state=ours[5] if h0 else None, output_final_state=True,
+                             kaczmarz=kaczmarz)
+    o_ref, ht_ref = model.kla_chunkwise(*ref[:5], initial_state=ref[5] if h0 else None, output_final_state=True,
+                                        kaczmarz=kaczmarz)
+    do = torch.randn(o_ref.shape, device=device, dtype=torch.float64, generator=gen)
+    dht = torch.randn(ht_ref.shape, device=device, dtype=torch.float64, generator=gen)
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.float()])
+    torch.autograd.backward([o_ref, ht_ref], [do, dht])
+    errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
+    finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "deta", "dh0"], ours, ref):
+        errs[name] = rel(a.grad, b.grad)
+        finite &= bool(torch.isfinite(a.grad).all())
+    return errs, finite
+
+
+def check_step(B, H, K, V, kaczmarz, knorm, device, gen):
+    q, k, v, g, eta, s0 = make_inputs(B, 1, H, K, V, knorm, True, device, gen)
+    o_ref, s_ref = model.kla_recurrent(*(x.double() for x in (q, k, v, g, eta)), initial_state=s0.double(),
+                                       output_final_state=True, kaczmarz=kaczmarz)
+    o, s1 = kernel.kla_step(q, k, v, g, eta, s0, kaczmarz=kaczmarz)
+    errs = {"o": rel(o, o_ref), "ht": rel(s1, s_ref)}
+    if device == "cuda":  # the same step captured in a CUDA graph and replayed on fresh inputs
+        ins = [x.clone() for x in (q, k, v, g, eta, s0)]
+        kernel.kla_step(*ins[:5], ins[5], kaczmarz=kaczmarz)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, s_g = kernel.kla_step(*ins[:5], ins[5], kaczmarz=kaczmarz)
+        q2, k2, v2, g2, eta2, s2 = make_inputs(B, 1, H, K, V, knorm, True, device, gen)
+        for dst, src in zip(ins, (q2, k2, v2, g2, eta2, s2)):
+            dst.copy_(src)
+        graph.replay()
+        o_ref2, s_ref2 = model.kla_recurrent(*(x.double() for x in (q2, k2, v2, g2, eta2)),
+                                             initial_state=s2.double(), output_final_state=True, kaczmarz=kaczmarz)
+        errs["o_graph"], errs["ht_graph"] = rel(o_g, o_ref2), rel(s_g, s_ref2)
+    return errs, bool(torch.isfinite(o).all() and torch.isfinite(s1).all())
+
+
+def main():
+    out = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")), os.environ.get("OUT"))
+    smoke = "--smoke" in sys.argv
+    device = "cpu" if smoke else "cuda"
+    gen = torch.Generator(device=device).manual_seed(1234)
+    f32, bf16 = torch.float32, torch.bfloat16
+    wide, unit = (1e-2, 1e2), (1.0, 1.0)
+    if smoke:
+        cases = [(1, 1, 1, 32, 32, f32, True, True, wide), (1, 70, 2, 32, 16, f32, False, True, wide)]
+    else:  # (B, T, H, K, V, dtype, initial state, kaczmarz, key norms)
+        cases = [
+            (2, 1, 4, 128, 128, f32, True, True, wide),
+            (2, 1000, 4, 128, 128, f32, True, True, wide),
+            (2, 1000, 4, 64, 64, f32, False, True, wide),
+            (1, 300, 3, 48, 96, f32, True, True, wide),
+            (2, 500, 2, 128, 128, f32, True, False, unit),
+            (2, 1, 4, 128, 128, bf16, True, True, wide),
+            (2, 1, 4, 64, 64, bf16, False, True, wide),
+            (2, 1000, 4, 128, 128, bf16, True, True, wide),
+            (2, 1000, 4, 128, 128, bf16, False, True, wide),
+            (2, 1000, 4, 64, 64, bf16, True, True, wide),
+            (1, 1000, 3, 48, 96, bf16, True, True, wide),
+            (1, 1000, 4, 32, 256, bf16, True, True, wide),
+            (2, 1000, 4, 128, 128, bf16, True, False, unit),
+            (2, 2048, 8, 64, 64, bf16, False, True, (0.3, 3.0)),
+            (1, 4096, 16, 128, 128, bf16, False, True, (0.3, 3.0)),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide),
+        ]
+    cols = ["o", "ht", "dq", "dk", "dv", "dg", "deta", "dh0"]
+    lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | " + " | ".join(cols) + " | ok |",
+             "|" + "---|" * (10 + len(cols))]
+    failures = 0
+    for B, T, H, K, V, dtype, h0, kacz, knorm in cases:
+        t = time.time()
+        errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen)
+        tol = TOL[dtype]
+        ok = finite and all(e < tol for e in errs.values())
+        failures += not ok
+        cells = [f"{errs[c]:.1e}" if c in errs else "-" for c in cols]
+        lines.append(f"| {B} | {T} | {H} | {K} | {V} | {str(dtype)[6:]} | {h0} | {kacz} | {knorm[0]:g}..{knorm[1]:g} | "
+                     + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
+        print(lines[-1], f"({time.time() - t:.1f}s)", flush=True)
+    lines += ["", "decode step (kla_step) vs the recurrent reference, float32:", ""]
+    for B, kacz, knorm in [(1, True, wide), (32, True, wide), (4, False, unit)]:
+        errs, finite = check_step(B, 16 if not smoke else 2, 128 if not smoke else 32, 128 if not smoke else 32,
+                                  kacz, knorm, device, gen)
+        ok = finite and all(e < 1e-4 for e in errs.values())
+        failures += not ok
+        lines.append(f"step B={B} kaczmarz={kacz}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+                     + f" {'ok' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
+    dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
+    import triton
+    lines.insert(0, f"test_gpu.py on {dev}, torch {torch.__version__}, triton {triton.__version__}: "
+                    f"{'all passed' if not failures else f'{failures} FAILED'}\n")
+    text = "\n".join(lines)
+    print("\n" + text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "test_gpu.md"), "w") as f:
+            f.write(text + "\n")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
