@@ -1,0 +1,59 @@
+"""
+Poor man's configurator, as in nanoGPT. Run from a script with
+    exec(open('configurator.py').read())
+after the script has defined its config as module-level globals. Then
+    $ python train.py config/override_file.py --batch_size=32
+first runs config/override_file.py (plain Python that assigns some of those globals), then applies
+each --key=value. Every key must already exist as a global of type int, float, bool or str, and every
+value must have that type (an int is accepted for a float): a typo or a wrong type is one clear error
+and a non-zero exit before anything runs, not a silently ignored setting or a traceback.
+"""
+import sys
+import types
+from ast import literal_eval
+
+
+def _config_error(msg):
+    print(f"config error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _checked(key, value, source):
+    if key not in globals() or key.startswith("_") or type(globals()[key]) not in (int, float, bool, str):
+        _config_error(f"unknown config key {key!r} (from {source})")
+    want = type(globals()[key])
+    if want is float and type(value) is int:
+        value = float(value)
+    if type(value) is not want:
+        _config_error(f"{key} must be a {want.__name__}, got {value!r} (a {type(value).__name__}) from {source}")
+    return value
+
+
+for _arg in sys.argv[1:]:
+    if not _arg.startswith("--"):
+        try:
+            _src = open(_arg).read()
+        except OSError as _err:
+            _config_error(f"cannot read config file {_arg}: {_err.strerror}")
+        print(f"Overriding config with {_arg}:\n{_src}")
+        _file_globals = {}
+        try:
+            exec(_src, _file_globals)
+        except Exception as _err:
+            _config_error(f"{_arg} failed: {type(_err).__name__}: {_err}")
+        for _key, _val in _file_globals.items():
+            if not _key.startswith("_") and not isinstance(_val, types.ModuleType):  # allow `import math`
+                globals()[_key] = _checked(_key, _val, _arg)
+    else:
+        _key, _eq, _val = _arg[2:].partition("=")
+        if not _eq:
+            _config_error(f"expected --key=value, got {_arg!r}")
+        if _key in globals() and type(globals()[_key]) is str:
+            _value = _val  # strings are taken as written: --out_dir=out-kla, --start=FILE:prompt.txt
+        else:
+            try:
+                _value = literal_eval(_val)  # numbers, True/False
+            except (SyntaxError, ValueError):
+                _value = _val
+        globals()[_key] = _checked(_key, _value, _arg)
+        print(f"Overriding: {_key} = {globals()[_key]!r}")

