@@ -155,14 +155,14 @@ def section_tune(device, smoke):
         for B, T, H, D in shapes:
             for bv in (16, 32, 64):
                 for nw in (4, 8):
-                    kernel._fwd_bv, kernel._nw = (lambda BH, V, bv=bv: bv), (lambda BK, nw=nw: nw)
+                    kernel._fwd_bv, kernel._nw = (lambda BH, V, fp32=False, bv=bv: bv), (lambda BK, nw=nw: nw)
                     ms, _ = timed(ours_chunk, inputs(B, T, H, D, device), False, device)
                     rows.append([f"({B}, {T}, {H}, {D})", "fwd", f"BV={bv} warps={nw}", ms])
                     print(rows[-1], flush=True)
             kernel._fwd_bv, kernel._nw = saved[:2]
             for bv in (16, 32, 64):
                 for nw in (4, 8):
-                    kernel._bwd_chunk_config = lambda BK, V, bv=bv, nw=nw: (bv, nw)
+                    kernel._bwd_chunk_config = lambda BK, V, fp32=False, bv=bv, nw=nw: (bv, nw)
                     ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
                     rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"chunk bwd BV={bv} warps={nw}", ms])
                     print(rows[-1], flush=True)
@@ -172,7 +172,28 @@ def section_tune(device, smoke):
     return "kernel.py variants (ms, do_bench median)", ["shape", "pass", "variant", "ms"], rows
 
 
-SECTIONS = {"kernel": section_kernel, "decode": section_decode, "tune": section_tune}
+def section_profile(device, smoke):
+    """Time per kernel of one forward + backward (torch.profiler, CUDA time summed over 5 calls)."""
+    shapes = [(1, 100, 2, 32)] if smoke else [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 8, 64)]
+    rows = []
+    for B, T, H, D in shapes:
+        xs = inputs(B, T, H, D, device, True)
+        do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+        ours_chunk(*xs).backward(do)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(5):
+                ours_chunk(*xs).backward(do)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+            if us > 0 and "_kernel" in ev.key:
+                rows.append([f"({B}, {T}, {H}, {D})", ev.key, us / 5 / 1e3])
+    return "time per kernel in one fwd+bwd (ms)", ["shape", "kernel", "ms"], rows
+
+
+SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune}
 
 
 def table(title, head, rows):

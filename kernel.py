@@ -432,12 +432,9 @@ def _prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _fwd_bv(BH, V):
-    """Block of value columns for the sequential kernels: enough programs to fill the 132 SMs."""
-    for BV in (64, 32):
-        if BH * triton.cdiv(V, BV) >= 256:
-            return min(BV, max(16, triton.next_power_of_2(V)))
-    return min(16 if V <= 64 else 32, max(16, triton.next_power_of_2(V)))
+def _fwd_bv(BH, V, fp32=False):
+    """Block of value columns for the sequential kernels (bench.py --section=tune measured 32 best)."""
+    return min(16 if fp32 else 32, max(16, triton.next_power_of_2(V)))
 
 
 def _dot_dtype(x):
@@ -447,12 +444,15 @@ def _dot_dtype(x):
 
 def _nw(BK):
     """Warps of the sequential kernels."""
-    return 4 if BK <= 64 else 8
+    return 4
 
 
-def _bwd_chunk_config(BK, V):
-    """(value columns per step, warps) of the token-parallel backward kernel."""
-    return min(64 if BK <= 64 else 32, max(16, triton.next_power_of_2(V))), 8
+def _bwd_chunk_config(BK, V, fp32=False):
+    """(value columns per step, warps) of the token-parallel backward kernel; float32 tiles need
+    smaller blocks to fit in shared memory."""
+    if fp32:
+        return 16, 8
+    return min(64, max(16, triton.next_power_of_2(V))), (4 if BK <= 64 else 8)
 
 
 class KLAChunkFunction(torch.autograd.Function):
@@ -478,7 +478,7 @@ class KLAChunkFunction(torch.autograd.Function):
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
         ht = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
         hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save else None
-        BV = _fwd_bv(B * H, V)
+        BV = _fwd_bv(B * H, V, q.dtype == torch.float32)
         _fwd_kernel[(triton.cdiv(V, BV), B * H)](
             q, k, v, bl, beta, ar, h0, o, ht, hs, T, H, Tp, scale,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state, SAVE_H=save,
@@ -504,7 +504,7 @@ class KLAChunkFunction(torch.autograd.Function):
         dhs = torch.empty_like(hs)
         dh0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
         dht = None if dht is None else dht.float().contiguous()
-        BV = _fwd_bv(B * H, V)
+        BV = _fwd_bv(B * H, V, q.dtype == torch.float32)
         _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
             q, k, do, bl, beta, ar, dht, dv, dhs, dh0, T, H, Tp, scale,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, DT=dt,
@@ -513,7 +513,7 @@ class KLAChunkFunction(torch.autograd.Function):
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         scratch = torch.empty(B * H * N, C, C, device=dev, dtype=torch.float32)
-        BVB, nw = _bwd_chunk_config(BK, V)
+        BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
         _bwd_chunk_kernel[(N, B * H)](
             q, k, v, do, dv, bl, beta, ar, hs, dhs, scratch, dq, dk, dg, deta, T, H, Tp, scale, eps,
             K=K, V=V, C=C, BK=BK, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
