@@ -25,7 +25,7 @@ def _checked(key, value, source):
     if want is float and type(value) is int:
         value = float(value)
     if type(value) is not want:
-        _config_error(f"{key} must be a {want.__name__}, got {value!r} (a {type(value).__name__}) from {source}")
+        _config_error(f"{key} must be of type {want.__name__}, got {value!r} ({type(value).__name__}) from {source}")
     return value
 
 

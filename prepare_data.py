@@ -49,10 +49,11 @@ def markdown_to_dialogue(md):
             lines = []
             speeches.append((m.group(1).strip(), lines))
             continue
+        line = INLINE_DIRECTION.sub("", line).strip()
         if line[:1] in ("_", "*"):  # a stage direction on its own line(s)
             closing = None if len(line) > 1 and line.endswith(line[0]) else line[0]
             continue
-        text = INLINE_DIRECTION.sub("", line).replace("\\", "").strip()
+        text = line.replace("\\", "")
         if text and lines is not None:  # a speech may continue after a stage direction
             lines.append(text)
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)

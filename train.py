@@ -25,7 +25,6 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
 
 import numpy as np
 import torch
@@ -66,7 +65,7 @@ chunk_size = 64
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
 # AdamW optimizer
 learning_rate = 1e-3 if _gpu else 2e-3
-max_iters = 5000 if _gpu else 1500
+max_iters = 5000 if _gpu else 600
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99  # nanoGPT's choice for small batches: few tokens per step make the second moment noisy
@@ -180,9 +179,8 @@ if init_from == "resume":
     if differ:
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-known = {f.name for f in fields(GPTConfig)}
 try:
-    gptconf = GPTConfig(**{k: v for k, v in model_args.items() if k in known})
+    gptconf = GPTConfig(**model_args)
 except ValueError as err:
     fail(str(err))
 model = GPT(gptconf)
@@ -308,7 +306,7 @@ while True:
 
     if (iter_num % eval_interval == 0 or iter_num == max_iters) and master_process:
         losses = estimate_loss()
-        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
         log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
         if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
             fail(f"the evaluation loss is not finite at iteration {iter_num}; the checkpoint was not overwritten")
@@ -351,7 +349,7 @@ while True:
         mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak_flops) if peak_flops else None
         mfu_str = f"{mfu * 100:.1f}%" if mfu is not None else "n/a"
         print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
-              f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_str}")
+              f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_str}", flush=True)
         log({"iter": iter_num, "loss": lossf, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt, "mfu": mfu})
     iter_num += 1
 

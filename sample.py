@@ -1,0 +1,103 @@
+"""
+Sample from a trained model, printing the tokens as they are generated. Decoding is recurrent: the
+prompt is read once, then every new token costs O(1) work from the carried state.
+
+$ python sample.py --out_dir=out --start="ROMEO:" --num_samples=3 --max_new_tokens=300
+$ python sample.py --start=FILE:prompt.txt
+"""
+import os
+
+# see train.py: spinning OpenMP threads are very slow on a CPU shared with other processes
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from model import GPT, GPTConfig
+from prepare_data import get_tokenizer
+
+# -----------------------------------------------------------------------------
+out_dir = "out"  # the checkpoint is out_dir/ckpt.pt
+start = "\n"  # the prompt, or "FILE:prompt.txt" to read it from a file
+num_samples = 2
+max_new_tokens = 500
+temperature = 0.8  # 1.0 samples the model's distribution, lower is more conservative, 0 is greedy
+top_k = 200  # keep only the top_k most likely tokens; 0 keeps all
+seed = 1337
+device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+compile = False
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+# -----------------------------------------------------------------------------
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+if max_new_tokens <= 0:
+    fail(f"max_new_tokens must be positive, got {max_new_tokens}")
+if temperature < 0:
+    fail(f"temperature must be >= 0, got {temperature}")
+if dtype not in ("float32", "bfloat16", "float16"):
+    fail(f"dtype must be 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+torch.manual_seed(seed)
+device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+if not os.path.exists(ckpt_path):
+    fail(f"{ckpt_path} does not exist; train a model first (python train.py --out_dir={out_dir})")
+try:
+    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+except Exception as err:
+    fail(f"cannot load {ckpt_path}: {type(err).__name__}: {str(err).splitlines()[0]}")
+model = GPT(GPTConfig(**checkpoint["model_args"]))
+# a checkpoint of a torch.compile'd model from other code has its keys under '_orig_mod.'
+model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+model.eval()
+model.to(device)
+model.set_backend(device_type)
+if compile:
+    model = torch.compile(model)
+encode, decode = get_tokenizer(checkpoint["meta"])  # the meta.json of the data it was trained on
+
+if start.startswith("FILE:"):
+    try:
+        with open(start[5:], encoding="utf-8") as f:
+            start = f.read()
+    except OSError as err:
+        fail(f"cannot read the prompt file {start[5:]}: {err.strerror}")
+try:
+    start_ids = encode(start)
+except ValueError as err:
+    fail(f"the prompt has {err}")
+if not start_ids:
+    fail("the prompt is empty; give at least one token with --start=...")
+x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+
+t_prefill, t_decode = 0.0, 0.0
+with ctx:
+    for _ in range(num_samples):
+        ids, printed = [], ""
+        print(start, end="", flush=True)
+        t0 = time.time()
+        for i, tok in enumerate(model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None)):
+            if i == 0:  # the first token comes right after reading the prompt (prefill)
+                t1 = time.time()
+                t_prefill += t1 - t0
+            ids.append(tok.item())
+            text = decode(ids)
+            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character of a BPE token
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+        print(text[len(printed):] + "\n---------------")
+        t_decode += time.time() - t1
+n_decoded = num_samples * (max_new_tokens - 1)
+print(f"prompt of {len(start_ids)} tokens read in {1000 * t_prefill / num_samples:.1f} ms; "
+      f"{n_decoded} tokens decoded at {n_decoded / max(t_decode, 1e-9):.1f} tokens/s")
