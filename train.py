@@ -41,7 +41,7 @@ device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is
 _gpu = device == "cuda"
 # I/O
 out_dir = "out"
-eval_interval = 250 if _gpu else 200
+eval_interval = 250
 eval_iters = 100 if _gpu else 20
 log_interval = 10
 always_save_checkpoint = False  # if False, save only when the val loss improves
@@ -65,7 +65,7 @@ chunk_size = 64
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
 # AdamW optimizer
 learning_rate = 1e-3 if _gpu else 2e-3
-max_iters = 5000 if _gpu else 600
+max_iters = 5000 if _gpu else 500
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99  # nanoGPT's choice for small batches: few tokens per step make the second moment noisy
@@ -188,7 +188,10 @@ if init_from == "resume":
     # a checkpoint of a torch.compile'd model from other code has its keys under '_orig_mod.'
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
 model.to(device)
-backend_used = model.set_backend(device_type)
+try:
+    backend_used = model.set_backend(device_type)
+except (ValueError, RuntimeError) as err:
+    fail(str(err))
 if master_process:
     print(f"{gptconf.mixer} model, {model.get_num_params() / 1e6:.2f}M parameters, backend {backend_used}, "
           f"device {device}, dtype {dtype}")
@@ -197,8 +200,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float1
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
-    if "scaler" in checkpoint:
-        scaler.load_state_dict(checkpoint["scaler"])
+    scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
     np.random.set_state(("MT19937", rng["numpy"][0].numpy().astype(np.uint32), *rng["numpy"][1:]))
