@@ -16,15 +16,19 @@ entering the chunk, Gamma_ij = exp(b_i - b_j) for i >= j, else 0):
     S1  = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
 
 Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)):
-    _prep_kernel      grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32 by 16 x 16
-                      forward substitution and blockwise merges; Ar stored in bf16 (fp32 for fp32 input).
-    _fwd_kernel       grid (V / BV, B*H): one program walks the chunks in order with S in registers;
-                      saves S0 of every chunk for the backward when a gradient is needed.
-    _bwd_state_kernel grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv and dS1
-                      of every chunk, and the gradient of the initial state.
-    _bwd_chunk_kernel grid (chunks, B*H): dq, dk (WY backward and the beta chain rule included), dg
-                      (reverse cumsum of the gate gradients) and deta, from S0 and dS1.
-    _step_kernel      grid (V / BV, B*H): one decoding token, the state read and written once.
+    _prep_kernel       grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32 by 16 x 16
+                       forward substitution and blockwise merges; Ar stored in bf16 (fp32 for fp32 input).
+    _fwd_pre_kernel    grid (chunks, B*H): the state-free parts W = P Diag(exp b) K, U0 = P V,
+                       Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W), O0 = scale (Gamma o QK^T) U0.
+    _fwd_kernel        grid (V / BV, B*H): walks the chunks in order with S in float32 registers:
+                       U = U0 - W S, O = O0 + Qe S, S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U; saves S0
+                       of every chunk for the backward when a gradient is needed.
+    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
+    _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
+                       dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
+    _bwd_chunk_kernel  grid (chunks, B*H): dq, dk (WY backward and the beta chain rule included), dg
+                       (reverse cumsum of the gate gradients) and deta, from S0 and dS1 of the chunk.
+    _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
 (fla #640). Here only tiles loaded from memory are transposed; the one product that needs a transposed
@@ -171,81 +175,145 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(q, k, v, bl_ptr, beta_ptr, ar, h0, o, ht, hs, T, H, Tp, scale,
+def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o0, T, H, Tp, scale,
+                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    PREC: tl.constexpr, DT: tl.constexpr):
+    """Token-parallel: everything of a chunk that does not depend on the state entering it.
+        W = P Diag(exp b) K,  Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W),  U0 = P V,  O0 = scale (Gamma o QK^T) U0
+    so that the sequential kernel only computes U = U0 - W S, O = O0 + Qe S and the state update."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    dt = DT
+    r = tl.arange(0, C)
+    rt, ck = t0 + r, tl.arange(0, BK)
+    qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
+    causal = r[:, None] >= r[None, :]
+    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bl = tl.load(bl_ptr + i_bh * Tp + rt)
+    beta = tl.load(beta_ptr + i_bh * Tp + rt)
+    bar = tl.load(ar + (i_bh * Tp + rt[:, None]) * C + r[None, :]).to(tl.float32)
+    eb = tl.exp2(bl)
+    gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))  # masked before exp2
+    P = (bar * beta[None, :] * gam).to(dt)
+    Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.).to(dt)
+    W = tl.dot(P, (bk * eb[:, None]).to(dt), input_precision=PREC)
+    Qe = eb[:, None] * bq.to(tl.float32) - tl.dot(Aqk, W.to(dt), input_precision=PREC)
+    _st(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1, W)
+    _st(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Qe * scale)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        bv = _ld(v + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        U0 = tl.dot(P, bv, input_precision=PREC)
+        O0 = tl.dot(Aqk, U0.to(dt), input_precision=PREC)
+        _st(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U0)
+        _st(o0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, O0 * scale)
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _fwd_kernel(k, bl_ptr, w, qe, u0, o0, h0, o, ht, hs, T, H, Tp,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
                 DT: tl.constexpr):
+    """Sequential over chunks, state S (K x BV) in float32 registers:
+        U = U0 - W S,  O = O0 + Qe S,  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     dt = DT
     r = tl.arange(0, C)
-    causal = r[:, None] >= r[None, :]
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        S += _ld(h0 + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1).to(tl.float32)
+        S += _ld(h0 + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
     for n in range(N):
         t0 = n * C
+        rt = t0 + r
         if SAVE_H:
-            _st(hs + (i_bh * N + n) * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, S.to(hs.dtype.element_ty))
-        bq = _ld(q + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
-        bk = _ld(k + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
-        bv = _ld(v + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(tl.float32)
-        bl = tl.load(bl_ptr + i_bh * Tp + t0 + r)
-        beta = tl.load(beta_ptr + i_bh * Tp + t0 + r)
+            _st(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, S)
+        bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
+        bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
+        bu = _ld(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
+        bo = _ld(o0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
+        bk = _ld(k + (i_b * T * H + i_h) * K, rt, ck, T, K, H * K, 1).to(dt)
+        bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
-        bar = tl.load(ar + (i_bh * Tp + t0 + r[:, None]) * C + r[None, :]).to(tl.float32)
-        eb = tl.exp2(bl)
-        gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))  # masked before exp2
-        P = (bar * beta[None, :] * gam).to(dt)
-        Vn = bv - eb[:, None] * tl.dot(bk, S.to(dt), input_precision=PREC)
-        U = tl.dot(P, Vn.to(dt), input_precision=PREC)
-        Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.)
-        bo = eb[:, None] * tl.dot(bq, S.to(dt), input_precision=PREC)
-        bo += tl.dot(Aqk.to(dt), U.to(dt), input_precision=PREC)
-        _st(o + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1, (bo * scale).to(o.dtype.element_ty))
+        Sb = S.to(dt)
+        U = bu - tl.dot(bw, Sb, input_precision=PREC)
+        bo += tl.dot(bqe, Sb, input_precision=PREC)
+        _st(o + (i_b * T * H + i_h) * V, rt, cv, T, V, H * V, 1, bo)
         S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     if STORE_HT:
-        _st(ht + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, S)
+        _st(ht + i_bh * K * V, ck, cv, K, V, V, 1, S)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, beta_ptr, ar, dht, dv, dhs, dh0, T, H, Tp, scale,
+def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
+                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    PREC: tl.constexpr, DT: tl.constexpr):
+    """Token-parallel: dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
+        dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    dt = DT
+    r = tl.arange(0, C)
+    rt, ck = t0 + r, tl.arange(0, BK)
+    qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
+    causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
+    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bl = tl.load(bl_ptr + i_bh * Tp + rt)
+    beta = tl.load(beta_ptr + i_bh * Tp + rt)
+    blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
+    bar_t = tl.load(ar + (i_bh * Tp + t0 + r[None, :]) * C + r[:, None]).to(tl.float32)  # Ar^T
+    gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
+    Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * gam_t, 0.).to(dt)
+    P_t = (bar_t * beta[:, None] * gam_t).to(dt)
+    Wd = tl.dot(P_t, (bk * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
+    _st(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Wd)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        dU0 = tl.dot(Aqk_t, bdo, input_precision=PREC)
+        _st(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, scale * tl.dot(P_t, dU0.to(dt), input_precision=PREC))
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1;  dVn = P^T dU (= dv);
+    """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     dt = DT
     r = tl.arange(0, C)
-    causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        dS += _ld(dht + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1).to(tl.float32)
+        dS += _ld(dht + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
     for n in range(N - 1, -1, -1):
         t0 = n * C
-        _st(dhs + (i_bh * N + n) * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, dS.to(dhs.dtype.element_ty))
-        bq = _ld(q + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
-        bk = _ld(k + (i_b * T * H + i_h) * K, t0 + tl.arange(0, C), tl.arange(0, BK), T, K, H * K, 1).to(dt)
-        bdo = _ld(do + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1).to(dt)
-        bl = tl.load(bl_ptr + i_bh * Tp + t0 + r)
-        beta = tl.load(beta_ptr + i_bh * Tp + t0 + r)
+        rt = t0 + r
+        _st(dhs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, dS)
+        bwd = _ld(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
+        bdv = _ld(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
+        bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+        bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
-        bar_t = tl.load(ar + (i_bh * Tp + t0 + r[None, :]) * C + r[:, None]).to(tl.float32)  # Ar^T
         eb = tl.exp2(bl)
-        gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
-        Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * gam_t, 0.)
-        P_t = (bar_t * beta[:, None] * gam_t).to(dt)
-        kc = (bk * tl.exp2(blC - bl)[:, None]).to(dt)
-        dU = scale * tl.dot(Aqk_t.to(dt), bdo, input_precision=PREC) + tl.dot(kc, dS.to(dt), input_precision=PREC)
-        dVn = tl.dot(P_t, dU.to(dt), input_precision=PREC)
-        _st(dv + (i_b * T * H + i_h) * V, t0 + tl.arange(0, C), i_v * BV + tl.arange(0, BV), T, V, H * V, 1, dVn.to(dv.dtype.element_ty))
+        dVn = bdv + tl.dot(bwd, dS.to(dt), input_precision=PREC)
+        _st(dv + v_off, rt, cv, T, V, H * V, 1, dVn)
         dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
     if STORE_DH0:
-        _st(dh0 + i_bh * K * V, tl.arange(0, BK), i_v * BV + tl.arange(0, BV), K, V, V, 1, dS)
+        _st(dh0 + i_bh * K * V, ck, cv, K, V, V, 1, dS)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
@@ -444,8 +512,9 @@ def _prec(x):
 
 
 def _fwd_bv(BH, V, fp32=False):
-    """Block of value columns for the sequential kernels (bench.py --section=tune measured 32 best)."""
-    return min(16 if fp32 else 32, max(16, triton.next_power_of_2(V)))
+    """Block of value columns for the sequential kernels: 32, or 16 when that leaves SMs idle."""
+    bv = 16 if fp32 or BH * triton.cdiv(V, 32) < 132 else 32
+    return min(bv, max(16, triton.next_power_of_2(V)))
 
 
 def _dot_dtype(x):
@@ -456,6 +525,11 @@ def _dot_dtype(x):
 def _nw(BK):
     """Warps of the sequential kernels."""
     return 4
+
+
+def _pre_config(BK, V, fp32=False):
+    """(value columns per step, warps) of the token-parallel pre-kernels."""
+    return min(32 if fp32 else 64, max(16, triton.next_power_of_2(V))), 4
 
 
 def _bwd_chunk_config(BK, V, fp32=False):
@@ -489,11 +563,17 @@ class KLAChunkFunction(torch.autograd.Function):
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
         ht = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
         hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save else None
+        w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
+        u0, o0 = (torch.empty(B * H, Tp, V, device=dev, dtype=sdt) for _ in range(2))
+        BVP, nwp = _pre_config(BK, V, q.dtype == torch.float32)
+        _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                    BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV = _fwd_bv(B * H, V, q.dtype == torch.float32)
         _fwd_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, v, bl, beta, ar, h0, o, ht, hs, T, H, Tp, scale,
+            k, bl, w, qe, u0, o0, h0, o, ht, hs, T, H, Tp,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state, SAVE_H=save,
             PREC=prec, DT=dt, num_warps=_nw(BK), num_stages=2)
+        del w, qe, u0, o0
         if save:
             ctx.save_for_backward(q, k, v, bl, beta, ar, hs)
             ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype)
@@ -515,11 +595,17 @@ class KLAChunkFunction(torch.autograd.Function):
         dhs = torch.empty_like(hs)
         dh0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
         dht = None if dht is None else dht.float().contiguous()
+        wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
+        dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
+        BVP, nwp = _pre_config(BK, V, q.dtype == torch.float32)
+        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                    BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV = _fwd_bv(B * H, V, q.dtype == torch.float32)
         _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, do, bl, beta, ar, dht, dv, dhs, dh0, T, H, Tp, scale,
+            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, DT=dt,
             num_warps=_nw(BK), num_stages=2)
+        del wd, dv0
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
