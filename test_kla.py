@@ -307,7 +307,7 @@ def test_generation_matches_full_forward(mixer):
     assert rel_err(stepped, full[:, 19:]) < 1e-5
     if mixer != "attn":  # O(1) decoding: the carried state does not grow with the context
         assert cache[0]["state"].shape == (3, 2, m.blocks[0].mixer.dk, m.blocks[0].mixer.dv)
-        assert cache[0]["k_conv"].shape[-1] == m.config.conv_size - 1
+        assert cache[0]["k_conv"].shape[1] == m.config.conv_size - 1
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
@@ -334,6 +334,17 @@ def test_backends_agree_in_the_model():
     logits_chunk, _ = m(idx, targets=idx)
     logits_rec, _ = rec(idx, targets=idx)
     assert rel_err(logits_chunk, logits_rec) < 1e-5
+
+
+def test_short_conv_is_a_causal_depthwise_convolution():
+    conv = model.ShortConv(5, 4)
+    x = torch.randn(2, 11, 5)
+    y, state = conv(x)
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight[:, None, :], groups=5).transpose(1, 2)
+    assert rel_err(y, F.silu(ref)) < 1e-6 and torch.equal(state, x[:, -3:])
+    y1, s1 = conv(x[:, :6])  # in two pieces with the state carried
+    y2, _ = conv(x[:, 6:], s1)
+    assert rel_err(torch.cat([y1, y2], 1), y) < 1e-6
 
 
 def test_kla_keys_raw_gdn_keys_normalised():
