@@ -62,9 +62,12 @@ model = GPT(GPTConfig(**checkpoint["model_args"]))
 model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
 model.eval()
 model.to(device)
-model.set_backend(device_type)
+try:
+    model.set_backend(device_type)
+except (ValueError, RuntimeError) as err:
+    fail(str(err))
 if compile:
-    model = torch.compile(model)
+    model.compile()  # in place, so that the calls inside model.stream use the compiled forward
 encode, decode = get_tokenizer(checkpoint["meta"])  # the meta.json of the data it was trained on
 
 if start.startswith("FILE:"):

@@ -285,9 +285,14 @@ def save_checkpoint():
         os.close(dir_fd)
 
 
+log_path = os.path.join(out_dir, "log.jsonl")
+if master_process and init_from == "scratch":
+    open(log_path, "w").close()  # a new run starts a new log; a resumed one appends to its own
+
+
 def log(record):
-    """Append one record to out_dir/log.jsonl (machine-readable twin of the printed lines)."""
-    with open(os.path.join(out_dir, "log.jsonl"), "a") as f:
+    """Append one record to out_dir/log.jsonl, the machine-readable twin of the printed lines."""
+    with open(log_path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
