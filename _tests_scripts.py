@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -153,6 +154,13 @@ def test_prepare_web_fails_fast_offline(tmp_path):
     assert "datasets" in p.stderr or "cannot be reached" in p.stderr, p.stderr
 
 
+def test_online_check_fails_fast():
+    t0 = time.time()
+    with pytest.raises(SystemExit, match="cannot be reached"):
+        prepare_data.check_online("https://kla-test.invalid", timeout=5)  # .invalid never resolves
+    assert time.time() - t0 < 10
+
+
 def test_prepare_unknown_dataset(tmp_path):
     assert_clean_error(run("prepare_data.py", "--dataset=nope", f"--data_dir={tmp_path}"), "unknown dataset 'nope'")
 
@@ -258,6 +266,14 @@ def test_config_file_and_int_for_float(tiny_data, tmp_path):
     p = run("train.py", str(cfg), *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'o'}")
     assert p.returncode == 0, p.stderr
     assert [r["iter"] for r in train_log(str(tmp_path / "o")) if "loss" in r] == [0, 1]
+
+
+def test_train_prepares_missing_data(tmp_path):
+    """The main job's first step: the default dataset is prepared when it is missing."""
+    p = run("train.py", *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1")
+    assert p.returncode == 0, p.stderr
+    meta = json.loads((tmp_path / "shakespeare_char" / "meta.json").read_text())
+    assert meta["tokenizer"] == "char" and meta["train_tokens"] > 4_000_000  # all 38 plays
 
 
 def test_missing_data(tmp_path):

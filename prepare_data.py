@@ -18,6 +18,8 @@ import os
 import re
 import sys
 import threading
+import urllib.error
+import urllib.request
 
 import numpy as np
 
@@ -132,24 +134,25 @@ def prepare_shakespeare(out_dir, text):
                   {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base"})
 
 
-def check_online(host="huggingface.co", port=443, timeout=5.0):
-    """Exit with a clear message unless host answers within timeout. Run in a thread because a DNS
-    lookup has no timeout of its own and can stall far longer than the connect."""
+def check_online(url="https://huggingface.co", timeout=5.0):
+    """Exit with a clear message unless url answers within timeout. The request runs in a thread
+    because a DNS lookup has no timeout of its own and can stall far longer."""
     result = {}
 
-    def connect():
+    def request():
         try:
-            import socket
-            socket.create_connection((host, port), timeout=timeout).close()
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            result["ok"] = True
+        except urllib.error.HTTPError:  # an answer, even an error status, means the host is reachable
             result["ok"] = True
         except OSError as err:
             result["err"] = err
-    t = threading.Thread(target=connect, daemon=True)
+    t = threading.Thread(target=request, daemon=True)
     t.start()
     t.join(timeout)
     if not result.get("ok"):
         reason = result.get("err", f"no answer in {timeout:.0f} s")
-        sys.exit(f"error: fineweb_edu is downloaded from {host}, which cannot be reached ({reason}); "
+        sys.exit(f"error: fineweb_edu is downloaded from {url}, which cannot be reached ({reason}); "
                  "offline, use --dataset=shakespeare_char or --dataset=shakespeare")
 
 
