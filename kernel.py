@@ -343,7 +343,7 @@ def _bwd_chunk_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, scratch, d
     ecb = tl.exp2(blC - bl)
     bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
     gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
-    Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * gam_t, 0.).to(dt)
+    Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * (scale * gam_t), 0.).to(dt)
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
     bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
     P = (bar * beta[None, :] * gam).to(dt)
@@ -366,22 +366,25 @@ def _bwd_chunk_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, scratch, d
         dS1 = dS1.to(dt)
         bv = _ld(v + v_off, rt, cv, T, V, H * V, 1).to(dt)
         bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
-        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1)
         # Vn and its transpose, each computed directly (no computed matrix is transposed)
-        Vn = bv.to(tl.float32) - eb[:, None] * tl.dot(bk, S0, input_precision=PREC)
+        kS = tl.dot(bk, S0, input_precision=PREC)
+        Vn = bv.to(tl.float32) - eb[:, None] * kS
         Vn_t = (tl.trans(bv).to(tl.float32)
                 - tl.dot(tl.trans(S0), tl.trans(bk), input_precision=PREC) * eb[None, :]).to(dt)
         U = tl.dot(P, Vn.to(dt), input_precision=PREC)
-        dU = scale * tl.dot(Aqk_t, bdo, input_precision=PREC) + tl.dot(kc, dS1, input_precision=PREC)
-        X += tl.dot(bdo, tl.trans(S0), input_precision=PREC)
-        dOVn += tl.dot(bdo, Vn_t, input_precision=PREC)
-        dP += tl.dot(dU.to(dt), Vn_t, input_precision=PREC)
-        dA_t += tl.dot(U.to(dt), tl.trans(bdo), input_precision=PREC)
-        Wb = tl.dot((U * ecb[:, None]).to(dt), tl.trans(dS1), input_precision=PREC)  # d k from S1
-        cS += tl.sum(Wb * bk.to(tl.float32), 1)
-        Z = tl.dot(bdv, tl.trans(S0), input_precision=PREC)  # dVn S0^T
-        bdk += Wb - eb[:, None] * Z
-        db -= eb * tl.sum(Z * bk.to(tl.float32), 1)
+        kdS = tl.dot(kc, dS1, input_precision=PREC)
+        # gate terms through K S0 and K dS1 (sum_k (dVn S0^T)_ik k_ik = sum_v dVn_iv (K S0)_iv, likewise for S1)
+        db -= eb * tl.sum(bdv.to(tl.float32) * kS, 1)
+        cS += tl.sum(U * kdS, 1)
+        dU = tl.dot(Aqk_t, bdo, acc=kdS, input_precision=PREC)  # scale (Gamma o QK^T)^T dO + Diag(e^{b_C - b}) K dS1
+        X = tl.dot(bdo, tl.trans(S0), acc=X, input_precision=PREC)
+        dOVn = tl.dot(bdo, Vn_t, acc=dOVn, input_precision=PREC)
+        dP = tl.dot(dU.to(dt), Vn_t, acc=dP, input_precision=PREC)
+        dA_t = tl.dot(U.to(dt), tl.trans(bdo), acc=dA_t, input_precision=PREC)
+        # dk from S1 (Diag(exp(b_C - b)) U dS1^T) and from Vn (-Diag(exp b) dVn S0^T), accumulated in place
+        bdk = tl.dot((U * ecb[:, None]).to(dt), tl.trans(dS1), acc=bdk, input_precision=PREC)
+        bdk = tl.dot((bdv.to(tl.float32) * -eb[:, None]).to(dt), tl.trans(S0), acc=bdk, input_precision=PREC)
 
     bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
@@ -508,7 +511,7 @@ def _block_k(K):
 
 
 def _prec(x):
-    return "tf32x3" if x.dtype == torch.float32 else "tf32"
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _fwd_bv(BH, V, fp32=False):
@@ -529,7 +532,7 @@ def _nw(BK):
 
 def _pre_config(BK, V, fp32=False):
     """(value columns per step, warps) of the token-parallel pre-kernels."""
-    return min(32 if fp32 else 64, max(16, triton.next_power_of_2(V))), 4
+    return min(16 if fp32 else 64, max(16, triton.next_power_of_2(V))), 4
 
 
 def _bwd_chunk_config(BK, V, fp32=False):

@@ -1,6 +1,6 @@
 """
 GPU correctness of kernel.py against the float64 reference (model.kla_chunkwise, run in float64 on the GPU).
-A script, not a pytest module (CI has no GPU): python test_gpu.py [--out=DIR] [--smoke]
+A script, not a pytest module (CI has no GPU): python test_gpu.py [--out=DIR] [--cases=0,3] [--smoke]
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
 (q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
@@ -111,6 +111,9 @@ def main():
             (1, 300, 3, 48, 96, f32, True, True, wide),
             (2, 500, 2, 128, 128, f32, True, False, unit),
         ]
+    pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
+    if pick:  # --cases=0,3: a subset, by position in the list above
+        cases = [cases[int(i)] for i in pick.split(",")]
     cols = ["o", "ht", "dq", "dk", "dv", "dg", "deta", "dh0"]
     lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | " + " | ".join(cols) + " | ok |",
              "|" + "---|" * (10 + len(cols))]
