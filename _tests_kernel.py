@@ -45,7 +45,8 @@ def run_both(q, k, v, g, eta, s0, kaczmarz, dtype=torch.float32, seed=1):
     o_ref, ht_ref = model.kla_recurrent(*ref[:5], initial_state=ref[5] if s0 is not None else None,
                                         output_final_state=True, kaczmarz=kaczmarz)
     gen = torch.Generator().manual_seed(seed)
-    do, dht = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64), torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64)
+    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64)
     torch.autograd.backward([o, ht], [do.to(o.dtype), dht.float()])
     torch.autograd.backward([o_ref, ht_ref], [do, dht])
     errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}

@@ -180,7 +180,8 @@ def section_profile(device, smoke):
         xs = inputs(B, T, H, D, device, True)
         do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
         ours_chunk(*xs).backward(do)
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        acts += [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(5):
                 ours_chunk(*xs).backward(do)

@@ -35,15 +35,11 @@ On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another
 computed matrix (E^T K in the WY backward) sends E through a scratch buffer.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 C_CHUNK = 64
-LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -127,7 +123,7 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
     r = tl.arange(0, C)
     gg = tl.load(g + (i_b * T + t0 + r) * H + i_h, mask=t0 + r < T, other=0.)
     # the cumulative sum as a masked row sum (tl.cumsum next to tl.sum has crashed Triton 3.6)
-    bl = tl.sum(tl.where(r[:, None] >= r[None, :], gg[None, :], 0.), 1) * 1.4426950408889634
+    bl = tl.sum(tl.where(r[:, None] >= r[None, :], gg[None, :], 0.), 1) * 1.4426950408889634  # log2(e)
     tl.store(bl_out + i_bh * Tp + t0 + r, bl)
 
     k1, b1 = _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
@@ -499,7 +495,8 @@ def _check(q, k, v, g, eta, initial_state, step=False):
     if initial_state is not None:
         want = (B, H, K, v.shape[-1])
         if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {tuple(getattr(initial_state, 'shape', ()))}")
+            got = tuple(getattr(initial_state, "shape", ()))
+            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {got}")
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
         if initial_state.device != q.device:
