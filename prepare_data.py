@@ -119,7 +119,8 @@ def write_dataset(out_dir, ids, meta):
     with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
-    print(f"wrote {out_dir}: {n:,} train and {len(ids) - n:,} val tokens ({meta['dtype']}), vocab {meta['vocab_size']:,}")
+    print(f"wrote {out_dir}: {n:,} train and {len(ids) - n:,} val tokens ({meta['dtype']}), "
+          f"vocab {meta['vocab_size']:,}")
 
 
 def prepare_shakespeare_char(out_dir, text):

@@ -117,7 +117,8 @@ master_process = rank == 0  # logs, evaluates, writes checkpoints
 device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
 if master_process:
-    print(f"tokens per iteration: {tokens_per_iter:,} ({gradient_accumulation_steps} x {world_size} x {batch_size} x {block_size})")
+    print(f"tokens per iteration: {tokens_per_iter:,} "
+          f"({gradient_accumulation_steps} x {world_size} x {batch_size} x {block_size})")
     os.makedirs(out_dir, exist_ok=True)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -135,14 +136,16 @@ if not os.path.exists(os.path.join(data_path, "meta.json")) and dataset in prepa
         dist.barrier()
 for name in ("meta.json", "train.bin", "val.bin"):
     if not os.path.exists(os.path.join(data_path, name)):
-        fail(f"{os.path.join(data_path, name)} not found; prepare the data first (python prepare_data.py --dataset=...)")
+        fail(f"{os.path.join(data_path, name)} not found; prepare the data first "
+             "(python prepare_data.py --dataset=...)")
 with open(os.path.join(data_path, "meta.json")) as f:
     meta = json.load(f)
 data_dtype = np.dtype(meta["dtype"])
 for split in ("train", "val"):
     n_tokens = os.path.getsize(os.path.join(data_path, f"{split}.bin")) // data_dtype.itemsize
     if n_tokens <= block_size:
-        fail(f"{os.path.join(data_path, split + '.bin')} holds {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}")
+        fail(f"{os.path.join(data_path, split + '.bin')} holds {n_tokens} tokens, "
+             f"fewer than block_size + 1 = {block_size + 1}")
 
 
 def get_batch(split, key):
@@ -263,7 +266,8 @@ def save_checkpoint():
         "best_val_loss": best_val_loss,
         # the data loader's state is (seed, iter_num): see get_batch
         "rng": {"python": [py_state[0], list(py_state[1]), py_state[2]],
-                "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+                "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]),
+                          float(np_state[4])],
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
     }
@@ -297,7 +301,8 @@ def log(record):
 
 
 # MFU is measured against the bf16 dense peak of the GPU found; unknown GPUs and CPUs print n/a
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12, "4090": 165e12}
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+              "4090": 165e12}
 peak_flops = None
 if device_type == "cuda":
     gpu_name = torch.cuda.get_device_name()
