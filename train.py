@@ -150,7 +150,7 @@ for split in ("train", "val"):
 
 def get_batch(split, key):
     """A batch of random windows. The positions are drawn from a generator seeded by (seed, split, key):
-    training passes key = (0, rank, iter_num, micro_step) and evaluation (1, k), so batches never depend
+    training passes key = (0, iter_num, global micro-batch index) and evaluation (1, k), so batches never depend
     on the history of the run and a resumed run sees exactly the batches the uninterrupted run would."""
     # a fresh memmap per batch: a long-lived one keeps every page it touched resident (nanoGPT #19)
     data = np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=data_dtype, mode="r")
@@ -309,7 +309,9 @@ if device_type == "cuda":
     peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in gpu_name), None)
 
 # training loop
-X, Y = get_batch("train", (0, rank, iter_num, 0))
+# micro-batch m of process r is global micro-batch r * gradient_accumulation_steps + m: one process with
+# 8 micro-batches and 8 processes with one each train on the same batches
+X, Y = get_batch("train", (0, iter_num, rank * gradient_accumulation_steps))
 t0 = time.time()
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
@@ -340,7 +342,7 @@ while True:
             loss = loss / gradient_accumulation_steps
         loss_sum += loss.detach()
         # the next batch is fetched while the GPU works on this one
-        X, Y = get_batch("train", (0, rank, iter_num + last, 0 if last else micro_step + 1))
+        X, Y = get_batch("train", (0, iter_num + last, rank * gradient_accumulation_steps + (0 if last else micro_step + 1)))
         scaler.scale(loss).backward()
     if ddp:  # every process must see the same loss, or one stops on a NaN while the others wait
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
