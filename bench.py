@@ -1,13 +1,15 @@
 """
-Benchmarks on one GPU: python bench.py [--section=kernel,decode] [--out=DIR] [--smoke]
+Benchmarks on one GPU: python bench.py [--section=kernel,decode,profile,tune] [--out=DIR] [--smoke]
 
 Sections (comma-separated; default kernel,decode):
   kernel  kernel.kla_chunk against the anchor, fla-core 0.6.0's chunk_gated_delta_rule with the Kaczmarz
           beta = eta / (||k||^2 + eps) computed in PyTorch (use_qk_l2norm_in_kernel=False), bf16, forward and
           forward + backward, triton.testing.do_bench medians in the same run; peak memory of one call.
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
+  profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
-Each section returns rows for one printed table (both times and ours / fla), also written to DIR/bench.md.
+Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
+(DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
 switched off (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True): its gradients are wrong there, its time is not.
 """
