@@ -35,11 +35,14 @@ import torch.nn.functional as F
 # states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
 
 
-def check_inputs(q, k, v, g, eta, initial_state=None):
-    """Raise a ValueError naming the first tensor whose shape or dtype breaks the contract."""
+def check_shapes(q, k, v, g, eta, initial_state=None):
+    """Raise a ValueError naming the first tensor whose type, shape or device breaks the contract.
+    Needs no device synchronisation (the Triton path uses it inside CUDA graphs)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
         if not torch.is_tensor(x) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
     if q.dim() != 4:
         raise ValueError(f"q must be (B, T, H, K), got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -54,10 +57,17 @@ def check_inputs(q, k, v, g, eta, initial_state=None):
         raise ValueError("the sequence is empty (T = 0)")
     if initial_state is not None:
         want = (B, H, K, v.shape[-1])
-        if tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {tuple(initial_state.shape)}")
+        if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {tuple(getattr(initial_state, 'shape', ()))}")
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+
+
+def check_inputs(q, k, v, g, eta, initial_state=None):
+    """check_shapes, and g <= 0 (a value check: on a GPU it waits for the data)."""
+    check_shapes(q, k, v, g, eta, initial_state)
     if (g > 0).any():
         raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernel
 import model
 import prepare_data
 from model import GPT, GPTConfig, kla_chunkwise, kla_recurrent
@@ -428,6 +429,90 @@ def test_model_trains(mixer):
     assert losses[-1] < 0.5 * losses[0]
 
 # -----------------------------------------------------------------------------
+# kernel.py in Triton's interpreter on CPU tensors, against the float64 reference. Float32 only: the
+# interpreter computes bf16 dots wrongly (Triton 3.9), so bf16 is checked on the GPU by test_gpu.py.
+
+KERNEL_CASES = [  # (B, T, H, K, V, initial state, kaczmarz, log10 of the key norms)
+    (1, 1, 2, 32, 32, True, True, (-2, 2)),
+    (1, 1, 1, 32, 16, False, True, (-0.3, 0.3)),
+    (2, 50, 2, 32, 32, True, True, (-2, 2)),
+    (1, 64, 1, 64, 32, False, True, (-2, 2)),
+    (1, 130, 2, 48, 40, True, True, (-1, 1)),
+    (1, 100, 1, 32, 64, True, False, (0, 0)),
+    (1, 200, 1, 16, 16, False, False, (-0.5, 0)),
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,use_h0,kaczmarz,norm_range", KERNEL_CASES)
+def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
+    inputs = make_inputs(B, T, H, K, V, norm_range=norm_range)
+    ref = outputs_and_grads(kla_recurrent, inputs, use_h0, kaczmarz=kaczmarz)
+    out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], use_h0, kaczmarz=kaczmarz)
+    for name, a, b in zip(NAMES, out, ref):
+        assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
+
+
+def test_kernel_noncontiguous_no_grad_and_scale():
+    q, k, v, g, eta, h0 = make_inputs(1, 70, 2, 32, 32, dtype=torch.float32, norm_range=(-1, 1))
+    # (B, H, T, D) storage viewed as (B, T, H, D)
+    qn, kn, vn, gn, en = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, g, eta))
+    assert not qn.is_contiguous() and not gn.is_contiguous()
+    with torch.no_grad():
+        o, ht = kernel.kla_chunk(qn, kn, vn, gn, en, scale=0.3, initial_state=h0, output_final_state=True)
+        o_nf, none = kernel.kla_chunk(qn, kn, vn, gn, en, scale=0.3, initial_state=h0)
+    o_ref, ht_ref = kla_recurrent(*(x.double() for x in (q, k, v, g, eta)), scale=0.3,
+                                  initial_state=h0.double(), output_final_state=True)
+    assert none is None and o.dtype == q.dtype and ht.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(ht, ht_ref) < 1e-5 and torch.equal(o, o_nf)
+
+
+@pytest.mark.parametrize("kaczmarz", [True, False])
+def test_kernel_step_matches_recurrent(kaczmarz):
+    q, k, v, g, eta, h0 = make_inputs(3, 1, 2, 48, 40, dtype=torch.float32, norm_range=(-2, 2) if kaczmarz else (0, 0))
+    o, h1 = kernel.kla_step(q, k, v, g, eta, h0, kaczmarz=kaczmarz)
+    o_ref, h1_ref = kla_recurrent(*(x.double() for x in (q, k, v, g, eta)), initial_state=h0.double(),
+                                  output_final_state=True, kaczmarz=kaczmarz)
+    assert o.shape == (3, 1, 2, 40) and h1.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
+
+
+def test_kernel_errors_name_the_tensor():
+    q, k, v, g, eta, h0 = make_inputs(1, 8, 2, 32, 16, dtype=torch.float32)
+    big = torch.randn(1, 8, 2, 160)
+    cases = [((q, k[..., :16], v, g, eta), {}, "k must have q's shape"),
+             ((q, k, v[:, :4], g, eta), {}, "v must be"),
+             ((q, k, v, g, eta[:, :4]), {}, "eta must be"),
+             ((q.double(), k, v, g, eta), {}, "q has dtype torch.float64"),
+             ((big, big, v, g, eta), {}, "K <= 128"),
+             ((q, k, v, g, eta), {"initial_state": h0[..., :8]}, "initial_state must be"),
+             ((q[:, :0], k[:, :0], v[:, :0], g[:, :0], eta[:, :0]), {}, "empty")]
+    for args, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            kernel.kla_chunk(*args, **kw)
+    with pytest.raises(ValueError, match="one token"):
+        kernel.kla_step(q, k, v, g, eta, h0)
+
+
+def test_model_on_the_kernel_matches_the_reference_path():
+    """The whole model with backend='triton' (here in the interpreter): logits, gradients, and generation
+    through the kernel's decoding step."""
+    torch.manual_seed(0)
+    ref = GPT(tiny_config("kla", chunk_size=64))
+    tri = GPT(tiny_config("kla", chunk_size=64, backend="triton"))
+    tri.load_state_dict(ref.state_dict())
+    assert tri.set_backend("cpu") == "triton"
+    idx = torch.randint(0, 61, (2, 70))
+    (l1, loss1), (l2, loss2) = ref(idx, targets=idx), tri(idx, targets=idx)
+    assert rel_err(l2, l1) < 1e-5
+    loss1.backward()
+    loss2.backward()
+    for (name, p1), p2 in zip(ref.named_parameters(), tri.parameters()):
+        assert rel_err(p2.grad, p1.grad) < 1e-4, name
+    prompt = idx[:, :9]
+    assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
+
+
+# -----------------------------------------------------------------------------
 # The scripts: prepare_data.py, configurator.py, train.py, sample.py, run as subprocesses on a tiny
 # corpus with a tiny model on CPU, as a user would run them
 
@@ -657,21 +742,52 @@ def test_checkpoint_write_is_atomic(trained, tiny_data, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # no temporary file left behind
 
 
-def test_nan_loss_stops(tiny_data, tmp_path):
-    """A non-finite loss stops the run, naming the iteration, before the weights are updated or saved."""
-    poison = ("import runpy, sys, model\n"
-              "forward, calls = model.GPT.forward, [0]\n"
-              "def poisoned(self, idx, targets=None, cache=None):\n"
-              "    logits, loss = forward(self, idx, targets, cache)\n"
-              "    calls[0] += self.training\n"
-              "    return logits, (loss * float('nan') if self.training and calls[0] > 5 else loss)\n"
-              "model.GPT.forward = poisoned\n"
-              f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
-              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    p = run("-c", poison, *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--max_iters=8",
-            "--eval_interval=4", "--always_save_checkpoint=True")
-    assert_clean_error(p, "loss is nan at iteration 5")
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 4
+POISON = """import runpy, sys, torch, model
+class InfGrad(torch.autograd.Function):  # a finite loss whose gradients are not
+    forward = staticmethod(lambda ctx, x: x.clone())
+    backward = staticmethod(lambda ctx, g: g * float('inf'))
+forward, calls = model.GPT.forward, [0]
+def poisoned(self, idx, targets=None, cache=None):
+    logits, loss = forward(self, idx, targets, cache)
+    calls[0] += self.training
+    if self.training and calls[0] == 6:  # iteration 5
+        loss = loss * float('nan') if MODE == 'loss' else InfGrad.apply(loss)
+    return logits, loss
+model.GPT.forward = poisoned
+sys.argv = [TRAIN] + sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+@pytest.mark.parametrize("mode", ["loss", "grad"])
+def test_nonfinite_stops_or_skips(tiny_data, tmp_path, mode):
+    """A non-finite loss or gradient stops the run, naming the iteration, before the weights are updated
+    or saved; with --skip_nonfinite=True that one batch is skipped and the run goes on."""
+    poison = f"MODE, TRAIN = {mode!r}, {os.path.join(ROOT, 'train.py')!r}\n" + POISON
+    args = [*TINY, f"--data_dir={tiny_data}", "--max_iters=8", "--eval_interval=4", "--always_save_checkpoint=True"]
+    p = run("-c", poison, *args, f"--out_dir={tmp_path / 'stop'}")
+    assert_clean_error(p, "loss is nan" if mode == "loss" else "gradient norm is", "at iteration 5")
+    assert torch.load(tmp_path / "stop" / "ckpt.pt", weights_only=True)["iter_num"] == 4
+    p = run("-c", poison, *args, f"--out_dir={tmp_path / 'skip'}", "--skip_nonfinite=True")
+    assert p.returncode == 0, p.stderr
+    assert "at iteration 5; skipping this batch" in p.stdout
+    log = train_log(str(tmp_path / "skip"))
+    assert [r["iter"] for r in log if "skipped" in r] == [5]
+    assert [r["iter"] for r in log if "loss" in r] == [0, 1, 2, 3, 4, 6, 7]
+    ckpt = torch.load(tmp_path / "skip" / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 8 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_token_ids_beyond_the_vocabulary(tiny_data, tmp_path):
+    data = tmp_path / "tiny"
+    shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), data)
+    meta = json.loads((data / "meta.json").read_text())
+    ids = np.fromfile(data / "train.bin", dtype=meta["dtype"])
+    ids[::7] = meta["vocab_size"] + 3
+    ids.tofile(data / "train.bin")
+    p = run("train.py", *TINY, f"--data_dir={tmp_path}", "--dataset=tiny", f"--out_dir={tmp_path / 'out'}",
+            "--max_iters=2")
+    assert_clean_error(p, f"holds token id {meta['vocab_size'] + 3}", "vocabulary")
 
 
 @pytest.mark.parametrize("args, phrase", [

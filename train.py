@@ -70,6 +70,7 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99  # nanoGPT's choice for small batches: few tokens per step make the second moment noisy
 grad_clip = 1.0  # 0 disables
+skip_nonfinite = False  # a non-finite loss or gradient: False stops the run, True skips that batch
 # learning rate schedule: linear warmup, then cosine decay to min_lr
 decay_lr = True
 warmup_iters = 100
@@ -153,11 +154,15 @@ def get_batch(split, key):
     training passes key = (0, iter_num, global micro-batch index) and evaluation (1, k), so batches never depend
     on the history of the run and a resumed run sees exactly the batches the uninterrupted run would."""
     # a fresh memmap per batch: a long-lived one keeps every page it touched resident (nanoGPT #19)
-    data = np.memmap(os.path.join(data_path, f"{split}.bin"), dtype=data_dtype, mode="r")
+    path = os.path.join(data_path, f"{split}.bin")
+    data = np.memmap(path, dtype=data_dtype, mode="r")
     rng = np.random.default_rng([seed, split == "val", *key])
     ix = rng.integers(len(data) - block_size, size=batch_size)
-    x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))
-    y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
+    batch = np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64)  # (B, block_size + 1)
+    if batch.max() >= meta["vocab_size"]:  # an embedding lookup out of range is a CUDA assert, not a message
+        fail(f"{path} holds token id {batch.max()}, but meta.json's vocabulary has {meta['vocab_size']} ids; "
+             "was it prepared with another tokenizer?")
+    x, y = torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
     if device_type == "cuda":  # pinned memory lets the copy overlap with compute
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -347,12 +352,21 @@ while True:
     if ddp:  # every process must see the same loss, or one stops on a NaN while the others wait
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
     lossf = loss_sum.item()
-    if not math.isfinite(lossf):
-        fail(f"the loss is {lossf} at iteration {iter_num}; stopping without saving these weights "
-             f"({ckpt_path} keeps the last good ones)")
-    if grad_clip != 0.0:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")).item()
+    # (float16's loss scaler expects inf gradients now and then: it skips those steps and lowers its scale)
+    if not math.isfinite(lossf) or (not math.isfinite(grad_norm) and not scaler.is_enabled()):
+        what = f"the loss is {lossf}" if not math.isfinite(lossf) else f"the gradient norm is {grad_norm}"
+        if not skip_nonfinite:
+            fail(f"{what} at iteration {iter_num}; stopping without saving these weights ({ckpt_path} keeps "
+                 "the last good ones; --skip_nonfinite=True would skip such batches)")
+        if master_process:
+            print(f"warning: {what} at iteration {iter_num}; skipping this batch", flush=True)
+            log({"iter": iter_num, "skipped": what})
+        optimizer.zero_grad(set_to_none=True)
+        scaler.update()
+        iter_num += 1
+        continue
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
