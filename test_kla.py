@@ -865,6 +865,25 @@ def test_missing_data(tmp_path):
                        "custom/meta.json not found")
 
 
+def test_empty_data_file(tiny_data, tmp_path):
+    shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), tmp_path / "tiny")
+    (tmp_path / "tiny" / "val.bin").write_bytes(b"")
+    assert_clean_error(run("train.py", *TINY, f"--data_dir={tmp_path}", "--dataset=tiny", f"--out_dir={tmp_path}"),
+                       "val.bin holds 0 tokens, fewer than block_size + 1")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_checkpoint(trained, tiny_data, tmp_path, damage):
+    """A damaged ckpt.pt gives one clear message from train.py and sample.py, and is left as it is."""
+    good = open(os.path.join(trained, "ckpt.pt"), "rb").read()
+    bad = good[:len(good) // 2] if damage == "truncated" else b"not a checkpoint at all" * 100
+    (tmp_path / "ckpt.pt").write_bytes(bad)
+    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--init_from=resume")
+    assert_clean_error(p, "cannot load", "ckpt.pt")
+    assert_clean_error(run("sample.py", f"--out_dir={tmp_path}", "--device=cpu"), "cannot load", "ckpt.pt")
+    assert (tmp_path / "ckpt.pt").read_bytes() == bad
+
+
 def test_missing_checkpoint(tiny_data, tmp_path):
     assert_clean_error(run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--init_from=resume"),
                        "does not exist")
