@@ -211,6 +211,11 @@ def main():
     names = arg("section", "kernel,decode").split(",")
     out = arg("out", os.environ.get("OUT"))
     smoke = "--smoke" in sys.argv
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("error: bench.py times CUDA kernels and found no GPU (--smoke runs it in Triton's interpreter)")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     device = "cpu" if smoke else "cuda"
     torch.manual_seed(0)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
