@@ -6,6 +6,7 @@ character-level set the vocabulary itself). No pickle: meta.json is all that sam
 $ python prepare_data.py                                   # shakespeare_char (the default, offline)
 $ python prepare_data.py --dataset=shakespeare             # the same text in GPT-2 BPE (tiktoken r50k_base)
 $ python prepare_data.py --dataset=fineweb_edu --max_tokens=100000000   # online: a FineWeb-Edu sample
+$ python prepare_data.py --dataset=python_stdlib           # this Python's standard library sources, GPT-2 BPE
 $ python prepare_data.py --dataset=mqar                    # synthetic recall (MQAR), the KLA paper's protocol
 $ python prepare_data.py --dataset=sniah                   # its one-pair needle-in-a-haystack version
 
@@ -26,9 +27,10 @@ import urllib.request
 import numpy as np
 
 # the synthetic recall tasks of the KLA paper (their generator; see prepare_synthetic)
+STDLIB_TEXT = "python_stdlib"  # the .py files of the running Python's standard library, in GPT-2 BPE
 SYNTHETIC = {"mqar": dict(n_pairs=32, train_length=256, test_lengths=(256, 512, 1024, 2048)),
              "sniah": dict(n_pairs=1, train_length=1024, test_lengths=(1024, 2048, 4096, 8192))}
-DATASETS = ("shakespeare_char", "shakespeare", "fineweb_edu", *SYNTHETIC)
+DATASETS = ("shakespeare_char", "shakespeare", STDLIB_TEXT, "fineweb_edu", *SYNTHETIC)
 VAL_FRACTION = 0.1
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT")  # the smallest official sample, 10B tokens
 
@@ -141,9 +143,26 @@ def prepare_shakespeare_char(out_dir, text):
     write_dataset(out_dir, [stoi[c] for c in text], {"vocab_size": len(chars), "tokenizer": "char", "chars": chars})
 
 
-def prepare_shakespeare(out_dir, text):
+def python_stdlib_text(source_dir=None):
+    """The Python standard library's sources (its tests included, site-packages not), in sorted path order,
+    each followed by <|endoftext|>: about 10M GPT-2 tokens of code that every machine has, offline."""
+    import sysconfig
+    root = source_dir or sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(d, f) for d, dirs, fs in os.walk(root) for f in fs if f.endswith(".py")
+                   and "site-packages" not in os.path.relpath(d, root).split(os.sep))
+    if not files:
+        sys.exit(f"error: no .py files under {root}")
+    texts = []
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return "<|endoftext|>".join(texts) + "<|endoftext|>"
+
+
+def prepare_bpe(out_dir, text):
+    """GPT-2 BPE; the text's <|endoftext|> separators become the end-of-text token."""
     enc = tiktoken_encoding("r50k_base")
-    write_dataset(out_dir, enc.encode_ordinary(text),
+    write_dataset(out_dir, enc.encode(text, allowed_special={"<|endoftext|>"}),
                   {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base"})
 
 
@@ -253,7 +272,9 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
     elif dataset == "fineweb_edu":
         prepare_fineweb_edu(out_dir, max_tokens)
     elif dataset == "shakespeare":
-        prepare_shakespeare(out_dir, shakespeare_text(source_dir))
+        prepare_bpe(out_dir, shakespeare_text(source_dir))
+    elif dataset == STDLIB_TEXT:
+        prepare_bpe(out_dir, python_stdlib_text(source_dir))
     else:
         prepare_shakespeare_char(out_dir, shakespeare_text(source_dir))
     return out_dir

@@ -691,7 +691,7 @@ def test_prepare_char(tiny_data):
         encode("Zounds")
 
 
-def test_prepare_bpe(tmp_path):
+def need_bpe():
     if os.path.isdir(SHARED_TIKTOKEN):
         os.environ.setdefault("TIKTOKEN_CACHE_DIR", SHARED_TIKTOKEN)
     try:
@@ -699,6 +699,10 @@ def test_prepare_bpe(tmp_path):
         tiktoken.get_encoding("r50k_base")
     except Exception as err:
         pytest.skip(f"GPT-2 BPE unavailable offline: {err}")
+
+
+def test_prepare_bpe(tmp_path):
+    need_bpe()
     src = tmp_path / "plays"
     src.mkdir()
     (src / "play.md").write_text(PLAY * 10)
@@ -708,6 +712,24 @@ def test_prepare_bpe(tmp_path):
     assert meta["vocab_size"] == 50257 and meta["tokenizer"] == "tiktoken" and meta["dtype"] == "uint16"
     ids = np.concatenate([np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
     assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == DIALOGUE * 10
+
+
+def test_prepare_python_stdlib(tmp_path):
+    need_bpe()
+    src = tmp_path / "lib"
+    (src / "json").mkdir(parents=True)
+    (src / "site-packages" / "numpy").mkdir(parents=True)
+    (src / "json" / "b.py").write_text("def b():\n    return 2\n")
+    (src / "a.py").write_text("import os\nprint(os.sep)\n")
+    (src / "notes.txt").write_text("not python")
+    (src / "site-packages" / "numpy" / "c.py").write_text("x = 1\n")
+    prepare_data.prepare("python_stdlib", str(tmp_path / "data"), source_dir=str(src))
+    d = tmp_path / "data" / "python_stdlib"
+    meta = json.loads((d / "meta.json").read_text())
+    ids = np.concatenate([np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
+    assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == \
+        "import os\nprint(os.sep)\n<|endoftext|>def b():\n    return 2\n<|endoftext|>"
+    assert (ids == 50256).sum() == 2  # one end-of-text token after each file
 
 
 def test_prepare_web_fails_fast_offline(tmp_path):
