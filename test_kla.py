@@ -833,12 +833,17 @@ def test_sigkill_at_random_moments_loses_nothing(tiny_data, tmp_path):
     p = run("train.py", *args, f"--out_dir={tmp_path / 'ref'}")
     assert p.returncode == 0, p.stderr
     out, rng, seen = tmp_path / "killed", random.Random(0), []
+    log_lines = lambda: len(open(out / "log.jsonl").readlines()) if (out / "log.jsonl").exists() else 0
     for _ in range(4):
         init = "resume" if (out / "ckpt.pt").exists() else "scratch"
+        before = log_lines() if init == "resume" else 0
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, f"--out_dir={out}",
                                  f"--init_from={init}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-        time.sleep(rng.uniform(3.0, 6.0))
+        deadline = time.time() + 120
+        while log_lines() < before + 4 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)  # wait until it is training, however slow the machine
+        time.sleep(rng.uniform(0.0, 0.5))
         proc.kill()
         proc.wait()
         if (out / "ckpt.pt").exists():
