@@ -47,8 +47,6 @@ def fail(msg):
 
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
-if not os.path.exists(ckpt_path):
-    fail(f"{ckpt_path} does not exist; train a model first (python train.py --out_dir={out_dir})")
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
 except ValueError as err:

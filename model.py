@@ -23,6 +23,7 @@ else in the model is shared, so comparisons between them are fair.
 """
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -181,7 +182,10 @@ def resolve_backend(backend, device_type):
 
 def read_checkpoint(path, device="cpu"):
     """The dict that train.py saved, read as data only (weights_only=True: nothing in the file runs).
-    A damaged file raises ValueError naming it."""
+    A missing or damaged file raises ValueError naming it."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path} does not exist; train a model first (python train.py "
+                         f"--out_dir={os.path.dirname(path) or '.'})")
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as err:

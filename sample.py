@@ -51,8 +51,6 @@ ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
-if not os.path.exists(ckpt_path):
-    fail(f"{ckpt_path} does not exist; train a model first (python train.py --out_dir={out_dir})")
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
 except ValueError as err:

@@ -189,8 +189,6 @@ model_args = dict(block_size=block_size, vocab_size=meta["vocab_size"], n_layer=
 iter_num, best_val_loss, evals_since_best = 0, float("inf"), 0
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "resume":
-    if not os.path.exists(ckpt_path):
-        fail(f"init_from='resume' but {ckpt_path} does not exist")
     try:
         checkpoint = read_checkpoint(ckpt_path, device)
     except ValueError as err:
