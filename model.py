@@ -154,8 +154,10 @@ except ImportError as err:
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
                      output_final_state=False, kaczmarz=True, chunk_size=64):
-    """One entry point for the mixer: backend 'triton', 'chunkwise' or 'recurrent'.
-    A single token with a carried state (decoding) always takes the O(1) recurrent step."""
+    """One entry point for the mixer: backend 'triton', 'chunkwise', 'recurrent', or 'auto' (Triton for
+    CUDA tensors when it imports). A single token with a carried state (decoding) takes the O(1) step."""
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and _kernel is not None else "chunkwise"
     kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz)
     if backend == "triton":
         if q.shape[1] == 1 and initial_state is not None:
@@ -180,6 +182,7 @@ def resolve_backend(backend, device_type):
         raise RuntimeError(f"backend='triton' needs kernel.py and Triton: {_kernel_error}")
     return backend
 
+
 def read_checkpoint(path, device="cpu"):
     """The dict that train.py saved, read as data only (weights_only=True: nothing in the file runs).
     A missing or damaged file raises ValueError naming it."""
@@ -190,6 +193,7 @@ def read_checkpoint(path, device="cpu"):
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as err:
         raise ValueError(f"cannot load {path}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
 
 # -----------------------------------------------------------------------------
 # The model
