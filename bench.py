@@ -8,6 +8,11 @@ Sections (comma-separated; default kernel,decode):
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
+  train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn: a training step at
+          T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory.
+  train_profile  the largest GPU kernels of one KLA training step (where the time goes).
+  prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
+  generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -21,10 +26,13 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # time fla's own Triton kernels, no
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import time
+
 import torch
 import triton
 
 import kernel
+from model import GPT, GPTConfig
 
 EPS = 1e-6
 
@@ -196,7 +204,149 @@ def section_profile(device, smoke):
     return "time per kernel in one fwd+bwd (ms)", ["shape", "kernel", "ms"], rows
 
 
-SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune}
+# -----------------------------------------------------------------------------
+# The whole model (issue 4): a GPT-2-small-sized LM with each mixer, the same tokens per step
+
+
+def model_configs(smoke):
+    """(GPTConfig kwargs, [(batch, T)] with equal tokens per step)."""
+    if smoke:
+        return dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, chunk_size=16), [(4, 64), (2, 128)]
+    return dict(n_layer=12, n_head=6, n_embd=768, vocab_size=50304), [(32, 2048), (8, 8192), (2, 32768)]
+
+
+def train_step_fn(mixer, batch, T, device, smoke):
+    cfg, _ = model_configs(smoke)
+    model = GPT(GPTConfig(block_size=T, mixer=mixer, **cfg)).to(device)
+    model.set_backend(device)
+    opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
+    idx = torch.randint(cfg["vocab_size"], (batch, T + 1), device=device)
+    ctx = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" else torch.autocast(device, enabled=False)
+
+    def step():
+        with ctx:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, step
+
+
+def median_ms(step, device, warmup=2, reps=5):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def section_train(device, smoke):
+    """Training throughput (forward, backward, AdamW step; bf16 autocast on CUDA) of each mixer."""
+    _, shapes = model_configs(smoke)
+    peak = 989e12  # H100 / H200 dense bf16
+    rows, base = [], {}
+    for batch, T in shapes:
+        for mixer in ("attn", "kla", "gdn"):
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            model, step = train_step_fn(mixer, batch, T, device, smoke)
+            ms = median_ms(step, device)
+            tok_s = batch * T / ms * 1e3
+            base.setdefault(T, tok_s)  # attention, the first of each length
+            mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+            rows.append([mixer, T, batch, model.get_num_params() / 1e6, ms, tok_s, tok_s / base[T],
+                         model.estimate_mfu(batch * T, ms / 1e3, peak) if device == "cuda" else float("nan"), mem])
+            print(rows[-1], flush=True)
+            del model, step
+    head = ["mixer", "T", "batch", "params M", "ms / step", "tokens/s", "vs attn", "MFU", "peak GiB"]
+    return "training step of the whole model, bf16 autocast, median of 5 after 2 warm-up steps", head, rows
+
+
+def section_train_profile(device, smoke):
+    """Where a KLA training step spends its GPU time: the 15 largest kernels (torch.profiler)."""
+    _, shapes = model_configs(smoke)
+    batch, T = shapes[0]
+    _, step = train_step_fn("kla", batch, T, device, smoke)
+    step()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "device_time_total" if device == "cuda" else "cpu_time_total"
+    evs = sorted(prof.key_averages(), key=lambda ev: getattr(ev, key, 0) or 0, reverse=True)
+    rows = [[ev.key[:90], ev.count, (getattr(ev, key, 0) or 0) / 1e3] for ev in evs[:15]]
+    return f"one KLA training step at batch {batch}, T {T}: largest kernels", ["kernel / op", "calls", "ms"], rows
+
+
+def eval_model(mixer, device, smoke):
+    cfg, _ = model_configs(smoke)
+    model = GPT(GPTConfig(mixer=mixer, **cfg)).to(device).eval()
+    model.set_backend(device)
+    if device == "cuda":
+        model.bfloat16()
+    return model, cfg["vocab_size"]
+
+
+def section_prefill(device, smoke):
+    """Batch-1 forward over a long prompt (the logits of the last position), KLA against attention."""
+    lengths = (128, 512) if smoke else (4096, 16384, 65536, 131072)
+    rows = []
+    for mixer in ("attn", "kla"):
+        model, vocab = eval_model(mixer, device, smoke)
+        for T in lengths:
+            idx = torch.randint(vocab, (1, T), device=device)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            with torch.no_grad():
+                ms = median_ms(lambda m=model, x=idx: m(x), device, warmup=1, reps=3)
+            mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+            rows.append([mixer, T, ms, mem])
+            print(rows[-1], flush=True)
+        del model
+    return "prefill, batch 1, bf16 weights: median ms of 3", ["mixer", "T", "ms", "peak GiB"], rows
+
+
+def section_generate(device, smoke):
+    """Decoding tokens/s after a prompt (model.stream: chunkwise prefill, then one token at a time from
+    the carried state; attention from its KV cache), at batch 1 and 64."""
+    prompts = (64, 256) if smoke else (1024, 8192, 32768)
+    n_new = 8 if smoke else 64
+    rows = []
+    for mixer in ("attn", "kla"):
+        model, vocab = eval_model(mixer, device, smoke)
+        for batch in (1, 64):
+            for P in prompts:
+                idx = torch.randint(vocab, (batch, P), device=device)
+                stream = model.stream(idx, n_new + 1, temperature=0)
+                next(stream)  # prefill and the first token
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in stream:
+                    pass
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                tok_s = batch * n_new / (time.perf_counter() - t0)
+                rows.append([mixer, batch, P, tok_s])
+                print(rows[-1], flush=True)
+        del model
+    return f"decoding {n_new} tokens after the prompt, bf16 weights, no CUDA graph", \
+        ["mixer", "batch", "prompt", "tokens/s"], rows
+
+
+SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,
+            "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
+            "generate": section_generate}
 
 
 def table(title, head, rows):
