@@ -318,16 +318,16 @@ def section_prefill(device, smoke):
 
 def section_generate(device, smoke):
     """Decoding tokens/s after a prompt (model.stream: chunkwise prefill, then one token at a time from
-    the carried state; attention from its KV cache), at batch 1 and 64."""
+    the carried state, plain or replayed from a CUDA graph; attention from its KV cache), batch 1 and 64."""
     prompts = (64, 256) if smoke else (1024, 8192, 32768)
     n_new = 8 if smoke else 64
     rows = []
-    for mixer in ("attn", "kla"):
+    for mixer, graph in (("attn", False), ("kla", False), ("kla", True)):
         model, vocab = eval_model(mixer, device, smoke)
         for batch in (1, 64):
             for P in prompts:
                 idx = torch.randint(vocab, (batch, P), device=device)
-                stream = model.stream(idx, n_new + 1, temperature=0)
+                stream = model.stream(idx, n_new + 1, temperature=0, cuda_graph=graph)
                 next(stream)  # prefill and the first token
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -337,10 +337,10 @@ def section_generate(device, smoke):
                 if device == "cuda":
                     torch.cuda.synchronize()
                 tok_s = batch * n_new / (time.perf_counter() - t0)
-                rows.append([mixer, batch, P, tok_s])
+                rows.append([mixer + (" (CUDA graph)" if graph else ""), batch, P, tok_s])
                 print(rows[-1], flush=True)
         del model
-    return f"decoding {n_new} tokens after the prompt, bf16 weights, no CUDA graph", \
+    return f"decoding {n_new} tokens after the prompt, bf16 weights", \
         ["mixer", "batch", "prompt", "tokens/s"], rows
 
 

@@ -441,11 +441,13 @@ class GPT(nn.Module):
         return model
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False):
         """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
-        path; every later token costs O(1) from the carried state (attention: its KV cache)."""
+        path; every later token costs O(1) from the carried state (attention: its KV cache). cuda_graph:
+        replay each decoding step from a CUDA graph (KLA / GDN on CUDA), without per-kernel launch costs."""
         cache = self.new_cache()
         logits, _ = self(idx, cache=cache)
+        step = self.decode_step(cache, idx.shape[0], cuda_graph) if max_new_tokens > 1 else None
         for i in range(max_new_tokens):
             logits = logits[:, -1, :].float()
             if temperature == 0:
@@ -458,7 +460,46 @@ class GPT(nn.Module):
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             yield idx_next
             if i + 1 < max_new_tokens:
-                logits, _ = self(idx_next, cache=cache)
+                logits = step(idx_next)
+
+    def decode_step(self, cache, batch, cuda_graph=False):
+        """A function token (B, 1) -> logits (B, 1, vocab) that advances cache by one token. With
+        cuda_graph, the state lives in fixed buffers updated in place (the forward's new state is copied
+        back into them), so that the step is captured once and replayed (on CUDA; elsewhere the same
+        in-place step runs directly)."""
+        if not cuda_graph:
+            return lambda tok: self(tok, cache=cache)[0]
+        if self.config.mixer == "attn":
+            raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
+        tok = torch.zeros(batch, 1, dtype=torch.long, device=self.wte.weight.device)
+
+        def step():
+            new = [dict(c) for c in cache]  # the forward reads the buffers and puts its new state here
+            logits, _ = self(tok, cache=new)
+            for buffers, fresh in zip(cache, new):
+                for key, buf in buffers.items():
+                    buf.copy_(fresh[key])
+            return logits
+        if tok.device.type != "cuda":  # no graphs: the same in-place step, run directly
+            return lambda token: (tok.copy_(token), step())[1]
+        saved = [{key: buf.clone() for key, buf in c.items()} for c in cache]
+        side = torch.cuda.Stream()  # warm up (compiles the kernels) outside the graph, as CUDA graphs need
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        for buffers, old in zip(cache, saved):  # undo the warm-up's token
+            for key, buf in buffers.items():
+                buf.copy_(old[key])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+
+        def replay(token):
+            tok.copy_(token)
+            graph.replay()
+            return logits
+        return replay
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -337,6 +337,20 @@ def test_greedy_generate_matches_argmax_of_forward(mixer):
             assert torch.equal(logits[:, -1].argmax(-1), out[:, t])
 
 
+@pytest.mark.parametrize("mixer", ["kla", "gdn"])
+def test_in_place_decoding_step(mixer):
+    """The decoding step behind cuda_graph=True (state buffers updated in place; captured on CUDA, run
+    directly here) samples the same tokens as the plain step; attention's growing cache is refused."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config(mixer)).eval()
+    prompt = torch.randint(0, 61, (3, 10))
+    plain = torch.cat(list(m.stream(prompt, 15, temperature=0)), 1)
+    in_place = torch.cat(list(m.stream(prompt, 15, temperature=0, cuda_graph=True)), 1)
+    assert torch.equal(plain, in_place)
+    with pytest.raises(ValueError, match="fixed-size state"):
+        list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
+
+
 def test_backends_agree_in_the_model():
     torch.manual_seed(0)
     m = GPT(tiny_config("kla"))
