@@ -30,6 +30,7 @@ seed = 1337
 device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
+cuda_graph = False  # replay each decoding step from a CUDA graph (KLA / GDN on CUDA; not yet the default)
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------
 
@@ -86,7 +87,8 @@ with ctx:
         ids, printed = [], ""
         print(start, end="", flush=True)
         t0 = time.time()
-        for i, tok in enumerate(model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None)):
+        for i, tok in enumerate(model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                                                 cuda_graph=cuda_graph)):
             if i == 0:  # the first token comes right after reading the prompt (prefill)
                 t1 = time.time()
                 t_prefill += t1 - t0
