@@ -87,8 +87,8 @@ with ctx:
         ids, printed = [], ""
         print(start, end="", flush=True)
         t0 = time.time()
-        for i, tok in enumerate(model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None,
-                                                 cuda_graph=cuda_graph)):
+        tokens = model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None, cuda_graph=cuda_graph)
+        for i, tok in enumerate(tokens):
             if i == 0:  # the first token comes right after reading the prompt (prefill)
                 t1 = time.time()
                 t_prefill += t1 - t0
