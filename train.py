@@ -157,9 +157,10 @@ for split in ("train", "val"):
 
 
 def get_batch(split, key):
-    """A batch of random windows (whole examples for the synthetic tasks), drawn by a generator seeded by (seed, split, key):
-    training passes key = (0, iter_num, global micro-batch index) and evaluation (1, k), so batches never depend
-    on the history of the run and a resumed run sees exactly the batches the uninterrupted run would."""
+    """A batch of random windows (whole examples for the synthetic tasks), drawn by a generator seeded by
+    (seed, split, key): training passes key = (0, iter_num, global micro-batch index) and evaluation (1, k),
+    so batches never depend on the history of the run and a resumed run sees exactly the batches the
+    uninterrupted run would."""
     # a fresh memmap per batch: a long-lived one keeps every page it touched resident (nanoGPT #19)
     path = os.path.join(data_path, f"{split}.bin")
     data = np.memmap(path, dtype=data_dtype, mode="r")
