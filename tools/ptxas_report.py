@@ -1,0 +1,80 @@
+"""
+Registers and spills of kernel.py's kernels for sm_90 without a GPU (Triton 3.9 on CPU + its bundled
+ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
+    python tools/ptxas_report.py [NAME ...]      (names from CONFIGS below; default: all)
+Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton
+import triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+
+import kernel
+
+FP32_ARGS = {"bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef", "scratch", "dbl",
+             "dh0", "dht", "h0", "ht", "s_in", "s_out"}
+INT_ARGS = {"T", "H", "Tp"}
+FLT_ARGS = {"scale", "eps"}
+
+
+def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
+    sig = {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            sig[name] = "constexpr"
+        elif name in INT_ARGS:
+            sig[name] = "i32"
+        elif name in FLT_ARGS:
+            sig[name] = "fp32"
+        elif name in FP32_ARGS:
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "*" + dtype
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                        "num_stages": num_stages})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        open(p, "w").write(ck.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", p, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True)
+    txt = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    return (int(regs.group(1)) if regs else None, spill.groups() if spill else None, ck.metadata.shared)
+
+
+def bwd_chunk_old(K, V, BV, nw, dt=tl.bfloat16, prec="tf32"):
+    BK = kernel._block_k(K)
+    return (kernel._bwd_chunk_kernel, dict(K=K, V=V, C=64, BK=BK, BV=BV, KACZ=True, PREC=prec, DT=dt), nw)
+
+
+def main():
+    cfgs = []
+    for K in (128, 64):
+        BK = kernel._block_k(K)
+        for name, fn, extra, nws in getattr(kernel, "PTXAS_CONFIGS", lambda K: [])(K):
+            for nw in nws:
+                cfgs.append((f"{name} K=V={K}", fn, dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="tf32",
+                                                         DT=tl.bfloat16, **extra), nw))
+    sel = sys.argv[1:]
+    for name, fn, cx, nw in cfgs:
+        if sel and not any(s in name for s in sel):
+            continue
+        cx = {k: v for k, v in cx.items() if k in fn.arg_names}
+        regs, spill, smem = compile_report(fn, cx, nw)
+        shown = {k: v for k, v in cx.items() if k in ("BV", "BKB", "BK")}
+        print(f"{name:40s} {str(shown):32s} warps {nw}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
