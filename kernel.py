@@ -313,15 +313,13 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, sc
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dag, emat, coef, dg, deta,
-                   T, H, Tp, scale, eps,
+def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp, dbl, T, H, Tp, scale,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   KACZ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Backward, part 1 (token-parallel): everything of a chunk that is C x C or per position. Only two
-    C x C float32 accumulators live across the value loop (dO Vn^T and dU Vn^T); no C x K accumulator.
-    Writes dg and deta (final), and for _bwd_dqk_kernel: Uc = Diag(exp(b_C - b)) U (C x V),
-    dAg = scale (dO U^T) o Gamma (C x C, causal), E = Diag(beta) dA0 (C x C, strictly lower) and the
-    per-position coefficient of k in dk from the beta chain rule."""
+                   PREC: tl.constexpr, DT: tl.constexpr):
+    """Backward, part 1 (grid (chunks, B*H)): the reductions over the value dimension that need S0 and dS1
+    of the chunk. Only two C x C float32 accumulators live across the value loop; no C x K one. Writes
+        Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and the gate gradient terms of the
+        value loop (d / d b, natural log domain, per position)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
@@ -378,30 +376,56 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dag, emat
         dOVn = tl.dot(bdo, Vn_t, acc=dOVn, input_precision=PREC)
         dP = tl.dot(dU.to(dt), Vn_t, acc=dP, input_precision=PREC)
 
-    bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
+    _st(dovn + i_bh * Tp * C, rt, r, Tp, C, C, 1, dOVn)
+    _st(dp + i_bh * Tp * C, rt, r, Tp, C, C, 1, dP)
+    db += scale * eb * qd - cS
+    db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0), 0.)
+    tl.store(dbl + i_bh * Tp + rt, db)
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _bwd_wy_kernel(q, k, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, T, H, Tp, scale, eps,
+                   K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, PREC: tl.constexpr,
+                   DT: tl.constexpr):
+    """Backward, part 2 (grid (chunks, B*H)): the C x C algebra of a chunk. From _bwd_cc_kernel's dO Vn^T,
+    dU Vn^T and gate terms: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain
+    rule, dg (reverse cumsum) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
+    E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    dt = DT
+    r = tl.arange(0, C)
+    rt, ck = t0 + r, tl.arange(0, BK)
+    qk_off = (i_b * T * H + i_h) * K
+    ar_off = (i_bh * Tp + t0) * C
+    causal = r[:, None] >= r[None, :]
+    causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
+    db = tl.load(dbl + i_bh * Tp + rt)
+    bl = tl.load(bl_ptr + i_bh * Tp + rt)
+    beta = tl.load(beta_ptr + i_bh * Tp + rt)
     # output path: dA = scale dO U^T = scale (dO Vn^T) P^T (causal); dq, dk take dA o Gamma and its transpose
+    gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
+    bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
     P_t = (bar_t * beta[:, None] * gam_t).to(dt)
-    dA = tl.where(causal, scale * tl.dot(dOVn.to(dt), P_t, input_precision=PREC), 0.)
-    tl.store(dag + ar_off + r[:, None] * C + r[None, :], (dA * gam).to(dag.dtype.element_ty))
-    db += scale * eb * qd
-    Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.)
-    F = dA * Aqk
+    dOVn = tl.load(dovn + ar_off + r[:, None] * C + r[None, :]).to(dt)
+    dA = tl.where(causal, scale * tl.dot(dOVn, P_t, input_precision=PREC), 0.)
+    gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
+    dA = dA * gam
+    tl.store(dag + ar_off + r[:, None] * C + r[None, :], dA.to(dag.dtype.element_ty))
+    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    F = dA * tl.dot(bq, tl.trans(bk), input_precision=PREC)  # dA o Gamma o QK^T (dA is causal)
     db += tl.sum(F, 1) - tl.sum(F, 0)
-    # state path
-    db -= cS
-    dbC = tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0)
-    db += tl.where(r == C - 1, dbC, 0.)
     # WY path: P = Gamma o (Ar Diag(beta)), Ar = (I + A0)^-1, A0 = StrictTril(Diag(beta) K K^T)
-    dP = tl.where(causal, dP, 0.)
-    F = dP * (bar * beta[None, :] * gam)
+    bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
+    dM = tl.where(causal, tl.load(dp + ar_off + r[:, None] * C + r[None, :]) * gam, 0.)
+    F = dM * bar * beta[None, :]
     db += tl.sum(F, 1) - tl.sum(F, 0)
-    dM = dP * gam
     dbeta = tl.sum(dM * bar, 0)
-    dAr = dM * beta[None, :]
-    dA0 = -tl.dot(bar_t, tl.dot(dAr, bar_t, input_precision=PREC), input_precision=PREC)
+    dA0 = -tl.dot(bar_t, tl.dot(dM * beta[None, :], bar_t, input_precision=PREC), input_precision=PREC)
     dA0 = tl.where(r[:, None] > r[None, :], dA0, 0.)
-    KK = tl.dot(bk, tl.trans(bk), input_precision=PREC)
-    dbeta += tl.sum(dA0 * KK, 1)
+    dbeta += tl.sum(dA0 * tl.dot(bk, tl.trans(bk), input_precision=PREC), 1)
     # dk += E K + E^T K in _bwd_dqk_kernel, which loads E both ways from memory
     tl.store(emat + ar_off + r[:, None] * C + r[None, :], (dA0 * beta[:, None]).to(emat.dtype.element_ty))
     # beta = eta / (||k||^2 + eps): d eta = dbeta / (r^2 + eps), dk += -2 dbeta beta / (r^2 + eps) k
@@ -547,6 +571,11 @@ def _bwd_chunk_config(BK, V, fp32=False):
     return min(64, max(16, triton.next_power_of_2(V))), (4 if BK <= 64 else 8)
 
 
+def _bwd_wy_warps(BK, fp32=False):
+    """Warps of _bwd_wy_kernel."""
+    return 4
+
+
 def _bwd_dqk_config(BK, V, fp32=False):
     """(key columns per program, value columns per step, warps) of _bwd_dqk_kernel."""
     if fp32:
@@ -625,12 +654,17 @@ class KLAChunkFunction(torch.autograd.Function):
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         sdt = hs.dtype
         uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
-        dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(2))
-        coef = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+        dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
+        dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
+        dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
         BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
         _bwd_cc_kernel[(N, B * H)](
-            q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dag, emat, coef, dg, deta, T, H, Tp, scale, eps,
-            K=K, V=V, C=C, BK=BK, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+            q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BVB, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+        _bwd_wy_kernel[(N, B * H)](
+            q, k, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, T, H, Tp, scale, eps,
+            K=K, C=C, BK=BK, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
+        del dovn, dp, dbl
         BKB, BVB, nw = _bwd_dqk_config(BK, V, q.dtype == torch.float32)
         _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
             q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, T, H, Tp, scale,

@@ -52,28 +52,38 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
     return (int(regs.group(1)) if regs else None, spill.groups() if spill else None, ck.metadata.shared)
 
 
-def bwd_chunk_old(K, V, BV, nw, dt=tl.bfloat16, prec="tf32"):
+def configs(K, sel):
+    """(label, kernel, constexprs, warps) for head size K = V, bf16."""
     BK = kernel._block_k(K)
-    return (kernel._bwd_chunk_kernel, dict(K=K, V=V, C=64, BK=BK, BV=BV, KACZ=True, PREC=prec, DT=dt), nw)
+    base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="tf32", DT=tl.bfloat16)
+    out = []
+    for BV in (32, 64):
+        for nw in (4, 8):
+            out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=BV), nw))
+    for BKB in sorted({min(BK, 64), min(BK, 32)}):
+        for BV in (32, 64):
+            for nw in (4, 8):
+                out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=BKB, BV=BV), nw))
+    if "old" in sel and os.environ.get("OLD_KERNEL"):
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("kernel_old", os.environ["OLD_KERNEL"])
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        out.append((f"old _bwd_chunk_kernel K=V={K}", old._bwd_chunk_kernel, dict(base, BV=64), 4 if K <= 64 else 8))
+    return out
 
 
 def main():
-    cfgs = []
-    for K in (128, 64):
-        BK = kernel._block_k(K)
-        for name, fn, extra, nws in getattr(kernel, "PTXAS_CONFIGS", lambda K: [])(K):
-            for nw in nws:
-                cfgs.append((f"{name} K=V={K}", fn, dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="tf32",
-                                                         DT=tl.bfloat16, **extra), nw))
     sel = sys.argv[1:]
-    for name, fn, cx, nw in cfgs:
-        if sel and not any(s in name for s in sel):
-            continue
-        cx = {k: v for k, v in cx.items() if k in fn.arg_names}
-        regs, spill, smem = compile_report(fn, cx, nw)
-        shown = {k: v for k, v in cx.items() if k in ("BV", "BKB", "BK")}
-        print(f"{name:40s} {str(shown):32s} warps {nw}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
-              flush=True)
+    for K in (128, 64):
+        for name, fn, cx, nw in configs(K, sel):
+            if sel and not any(s in name for s in sel):
+                continue
+            cx = {k: v for k, v in cx.items() if k in fn.arg_names}
+            regs, spill, smem = compile_report(fn, cx, nw)
+            shown = {k: v for k, v in cx.items() if k in ("BV", "BKB")}
+            print(f"{name:36s} {str(shown):24s} warps {nw}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
+                  flush=True)
 
 
 if __name__ == "__main__":
