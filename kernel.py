@@ -26,13 +26,17 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
-    _bwd_chunk_kernel  grid (chunks, B*H): dq, dk (WY backward and the beta chain rule included), dg
-                       (reverse cumsum of the gate gradients) and deta, from S0 and dS1 of the chunk.
+    _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
+                       accumulators dO Vn^T and dU Vn^T, the gate terms of the loop, Uc = Diag(exp(b_C - b)) U.
+    _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
+                       beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E = Diag(beta) dA0.
+    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, two C x BKB accumulators.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
-(fla #640). Here only tiles loaded from memory are transposed; the one product that needs a transposed
-computed matrix (E^T K in the WY backward) sends E through a scratch buffer.
+(fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
+computed matrix (E^T K of the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers
+_bwd_wy_kernel wrote.
 """
 
 import torch
@@ -564,23 +568,25 @@ def _pre_config(BK, V, fp32=False):
 
 
 def _bwd_chunk_config(BK, V, fp32=False):
-    """(value columns per step, warps) of _bwd_cc_kernel (the name is kept for bench.py's tune section);
-    float32 tiles need smaller blocks to fit in shared memory."""
+    """(value columns per step, warps) of _bwd_cc_kernel (the name is kept for bench.py's tune section).
+    BV = 16 with 8 warps: ptxas (sm_90, Triton 3.9) reports 16 B of spills at K = V = 128 and none at 64,
+    against 332 B at BV = 32 and 844 B at BV = 64 (tools/ptxas_report.py)."""
     if fp32:
         return 16, 4
-    return min(64, max(16, triton.next_power_of_2(V))), (4 if BK <= 64 else 8)
+    return 16, 8
 
 
 def _bwd_wy_warps(BK, fp32=False):
-    """Warps of _bwd_wy_kernel."""
-    return 4
+    """Warps of _bwd_wy_kernel (8: no spills at K = 128; 4 spills 260 B)."""
+    return 4 if fp32 else 8
 
 
 def _bwd_dqk_config(BK, V, fp32=False):
-    """(key columns per program, value columns per step, warps) of _bwd_dqk_kernel."""
+    """(key columns per program, value columns per step, warps) of _bwd_dqk_kernel (BKB 64, BV 32, 8 warps:
+    no spills at K = 128; BV 64 with 4 warps spills 1044 B)."""
     if fp32:
         return min(BK, 32), 16, 4
-    return min(BK, 64), min(64, max(16, triton.next_power_of_2(V))), 4
+    return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8
 
 
 class KLAChunkFunction(torch.autograd.Function):

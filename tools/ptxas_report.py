@@ -52,19 +52,27 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
     return (int(regs.group(1)) if regs else None, spill.groups() if spill else None, ck.metadata.shared)
 
 
-def configs(K, sel):
-    """(label, kernel, constexprs, warps) for head size K = V, bf16."""
+def configs(K, sel, fp32=False):
+    """(label, kernel, constexprs, warps): the chosen configuration of every backward kernel first
+    (marked *), then alternatives; head size K = V."""
     BK = kernel._block_k(K)
-    base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="tf32", DT=tl.bfloat16)
+    base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="ieee" if fp32 else "tf32",
+                DT=tl.float32 if fp32 else tl.bfloat16)
     out = []
-    for BV in (32, 64):
-        for nw in (4, 8):
-            out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=BV), nw))
-    for BKB in sorted({min(BK, 64), min(BK, 32)}):
-        for BV in (32, 64):
-            for nw in (4, 8):
-                out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=BKB, BV=BV), nw))
-    if "old" in sel and os.environ.get("OLD_KERNEL"):
+    bv, nw = kernel._bwd_chunk_config(BK, K, fp32)
+    out.append((f"* _bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
+    nw = kernel._bwd_wy_warps(BK, fp32)
+    out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw))
+    bkb, bv, nw = kernel._bwd_dqk_config(BK, K, fp32)
+    out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw))
+    if fp32:
+        return out
+    for bv, nw in ((16, 4), (32, 8), (64, 8)):
+        out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
+    out.append((f"_bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, 4))
+    for bv, nw in ((16, 4), (64, 8), (64, 4)):
+        out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=min(BK, 64), BV=bv), nw))
+    if os.environ.get("OLD_KERNEL"):  # a kernel.py with the single _bwd_chunk_kernel (main before the split)
         import importlib.util
         spec = importlib.util.spec_from_file_location("kernel_old", os.environ["OLD_KERNEL"])
         old = importlib.util.module_from_spec(spec)
@@ -74,13 +82,15 @@ def configs(K, sel):
 
 
 def main():
-    sel = sys.argv[1:]
+    """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs."""
+    fp32 = "--fp32" in sys.argv
+    sel = [a for a in sys.argv[1:] if a != "--fp32"]
     for K in (128, 64):
-        for name, fn, cx, nw in configs(K, sel):
+        for name, fn, cx, nw in configs(K, sel, fp32):
             if sel and not any(s in name for s in sel):
                 continue
             cx = {k: v for k, v in cx.items() if k in fn.arg_names}
-            regs, spill, smem = compile_report(fn, cx, nw)
+            regs, spill, smem = compile_report(fn, cx, nw, "fp32" if fp32 else "bf16")
             shown = {k: v for k, v in cx.items() if k in ("BV", "BKB")}
             print(f"{name:36s} {str(shown):24s} warps {nw}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
                   flush=True)
