@@ -159,7 +159,7 @@ def section_decode(device, smoke):
 def section_tune(device, smoke):
     """Block sizes and warps of kernel.py, one variant at a time (kernel's config functions replaced)."""
     shapes = [(1, 100, 2, 32)] if smoke else [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 8, 64)]
-    saved = kernel._fwd_bv, kernel._nw, kernel._bwd_chunk_config
+    saved = kernel._fwd_bv, kernel._nw, kernel._bwd_chunk_config, kernel._bwd_dqk_config
     rows = []
     try:
         for B, T, H, D in shapes:
@@ -174,11 +174,17 @@ def section_tune(device, smoke):
                 for nw in (4, 8):
                     kernel._bwd_chunk_config = lambda BK, V, fp32=False, bv=bv, nw=nw: (bv, nw)
                     ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
-                    rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"chunk bwd BV={bv} warps={nw}", ms])
+                    rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"cc bwd BV={bv} warps={nw}", ms])
                     print(rows[-1], flush=True)
             kernel._bwd_chunk_config = saved[2]
+            for bkb, bv in ((64, 16), (64, 32), (128, 16), (128, 32)):
+                kernel._bwd_dqk_config = lambda BK, V, fp32=False, bkb=bkb, bv=bv: (min(BK, bkb), bv, 8)
+                ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
+                rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"dq/dk bwd BKB={bkb} BV={bv} warps=8", ms])
+                print(rows[-1], flush=True)
+            kernel._bwd_dqk_config = saved[3]
     finally:
-        kernel._fwd_bv, kernel._nw, kernel._bwd_chunk_config = saved
+        kernel._fwd_bv, kernel._nw, kernel._bwd_chunk_config, kernel._bwd_dqk_config = saved
     return "kernel.py variants (ms, do_bench median)", ["shape", "pass", "variant", "ms"], rows
 
 

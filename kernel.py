@@ -26,13 +26,17 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
-    _bwd_chunk_kernel  grid (chunks, B*H): dq, dk (WY backward and the beta chain rule included), dg
-                       (reverse cumsum of the gate gradients) and deta, from S0 and dS1 of the chunk.
+    _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
+                       accumulators dO Vn^T and dU Vn^T, the gate terms of the loop, Uc = Diag(exp(b_C - b)) U.
+    _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
+                       beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E = Diag(beta) dA0.
+    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, two C x BKB accumulators.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
-(fla #640). Here only tiles loaded from memory are transposed; the one product that needs a transposed
-computed matrix (E^T K in the WY backward) sends E through a scratch buffer.
+(fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
+computed matrix (E^T K of the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers
+_bwd_wy_kernel wrote.
 """
 
 import torch
@@ -313,12 +317,13 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, sc
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_chunk_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, scratch, dq, dk, dg, deta,
-                      T, H, Tp, scale, eps,
-                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      KACZ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Token-parallel: the gradients that need S0 and dS1 of one chunk. Chunk-sized matrices that are
-    not needed inside the value loop are (re)computed after it, to keep the loop's registers small."""
+def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp, dbl, T, H, Tp, scale,
+                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   PREC: tl.constexpr, DT: tl.constexpr):
+    """Backward, part 1 (grid (chunks, B*H)): the reductions over the value dimension that need S0 and dS1
+    of the chunk. Only two C x C float32 accumulators live across the value loop; no C x K one. Writes
+        Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and the gate gradient terms of the
+        value loop (d / d b, natural log domain, per position)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
@@ -332,27 +337,24 @@ def _bwd_chunk_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, scratch, d
     causal = r[:, None] >= r[None, :]
     causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
     bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
     eb = tl.exp2(bl)
     ecb = tl.exp2(blC - bl)
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
     gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
     Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * (scale * gam_t), 0.).to(dt)
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
     bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
     P = (bar * beta[None, :] * gam).to(dt)
-    kc = (bk * ecb[:, None]).to(dt)
 
-    bdk = tl.zeros([C, BK], dtype=tl.float32)
-    X = tl.zeros([C, BK], dtype=tl.float32)     # dO S0^T
     dOVn = tl.zeros([C, C], dtype=tl.float32)   # dO Vn^T
     dP = tl.zeros([C, C], dtype=tl.float32)     # dU Vn^T
-    dA_t = tl.zeros([C, C], dtype=tl.float32)   # U dO^T
     db = tl.zeros([C], dtype=tl.float32)        # d / d b (natural log domain)
     cS = tl.zeros([C], dtype=tl.float32)        # exp(b_C - b_i) k_i^T dS1 u_i
     sS = tl.zeros([BV], dtype=tl.float32)       # column sums of S0 o dS1
+    qd = tl.zeros([C], dtype=tl.float32)        # rows of dO o (Q S0)  (= rows of (dO S0^T) o Q)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         S0 = _ld(hs + h_off, ck, cv, K, V, V, 1)
@@ -362,78 +364,133 @@ def _bwd_chunk_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, scratch, d
         dS1 = dS1.to(dt)
         bv = _ld(v + v_off, rt, cv, T, V, H * V, 1).to(dt)
         bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
-        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1)
-        # Vn and its transpose, each computed directly (no computed matrix is transposed)
+        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1).to(tl.float32)
         kS = tl.dot(bk, S0, input_precision=PREC)
+        db -= eb * tl.sum(bdv * kS, 1)
         Vn = bv.to(tl.float32) - eb[:, None] * kS
+        U = tl.dot(P, Vn.to(dt), input_precision=PREC)
+        kdS = tl.dot(bk, dS1, input_precision=PREC) * ecb[:, None]
+        cS += tl.sum(U * kdS, 1)
+        _st(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U * ecb[:, None])
+        qd += tl.sum(bdo.to(tl.float32) * tl.dot(bq, S0, input_precision=PREC), 1)
+        # Vn^T computed directly from transposed loaded tiles (no computed matrix is transposed)
         Vn_t = (tl.trans(bv).to(tl.float32)
                 - tl.dot(tl.trans(S0), tl.trans(bk), input_precision=PREC) * eb[None, :]).to(dt)
-        U = tl.dot(P, Vn.to(dt), input_precision=PREC)
-        kdS = tl.dot(kc, dS1, input_precision=PREC)
-        # gate terms through K S0 and K dS1 (sum_k (dVn S0^T)_ik k_ik = sum_v dVn_iv (K S0)_iv, likewise for S1)
-        db -= eb * tl.sum(bdv.to(tl.float32) * kS, 1)
-        cS += tl.sum(U * kdS, 1)
         dU = tl.dot(Aqk_t, bdo, acc=kdS, input_precision=PREC)  # scale (Gamma o QK^T)^T dO + Diag(e^{b_C - b}) K dS1
-        X = tl.dot(bdo, tl.trans(S0), acc=X, input_precision=PREC)
         dOVn = tl.dot(bdo, Vn_t, acc=dOVn, input_precision=PREC)
         dP = tl.dot(dU.to(dt), Vn_t, acc=dP, input_precision=PREC)
-        dA_t = tl.dot(U.to(dt), tl.trans(bdo), acc=dA_t, input_precision=PREC)
-        # dk from S1 (Diag(exp(b_C - b)) U dS1^T) and from Vn (-Diag(exp b) dVn S0^T), accumulated in place
-        bdk = tl.dot((U * ecb[:, None]).to(dt), tl.trans(dS1), acc=bdk, input_precision=PREC)
-        bdk = tl.dot((bdv.to(tl.float32) * -eb[:, None]).to(dt), tl.trans(S0), acc=bdk, input_precision=PREC)
 
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-    gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
+    _st(dovn + i_bh * Tp * C, rt, r, Tp, C, C, 1, dOVn)
+    _st(dp + i_bh * Tp * C, rt, r, Tp, C, C, 1, dP)
+    db += scale * eb * qd - cS
+    db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0), 0.)
+    tl.store(dbl + i_bh * Tp + rt, db)
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _bwd_wy_kernel(q, k, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, T, H, Tp, scale, eps,
+                   K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, PREC: tl.constexpr,
+                   DT: tl.constexpr):
+    """Backward, part 2 (grid (chunks, B*H)): the C x C algebra of a chunk. From _bwd_cc_kernel's dO Vn^T,
+    dU Vn^T and gate terms: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain
+    rule, dg (reverse cumsum) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
+    E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    dt = DT
+    r = tl.arange(0, C)
+    rt, ck = t0 + r, tl.arange(0, BK)
+    qk_off = (i_b * T * H + i_h) * K
+    ar_off = (i_bh * Tp + t0) * C
+    causal = r[:, None] >= r[None, :]
+    causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
+    db = tl.load(dbl + i_bh * Tp + rt)
+    bl = tl.load(bl_ptr + i_bh * Tp + rt)
+    beta = tl.load(beta_ptr + i_bh * Tp + rt)
+    # output path: dA = scale dO U^T = scale (dO Vn^T) P^T (causal); dq, dk take dA o Gamma and its transpose
     gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
     bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
-    # output path: dA = scale dO U^T = scale (dO Vn^T) P^T
     P_t = (bar_t * beta[:, None] * gam_t).to(dt)
-    dA = tl.where(causal, scale * tl.dot(dOVn.to(dt), P_t, input_precision=PREC), 0.)
-    dA_t = tl.where(causal_t, scale * dA_t, 0.)
-    bdq = scale * eb[:, None] * X + tl.dot((dA * gam).to(dt), bk, input_precision=PREC)
-    bdk += tl.dot((dA_t * gam_t).to(dt), bq, input_precision=PREC)
-    db += scale * eb * tl.sum(X * bq.to(tl.float32), 1)
-    Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.)
-    F = dA * Aqk
+    dOVn = tl.load(dovn + ar_off + r[:, None] * C + r[None, :]).to(dt)
+    dA = tl.where(causal, scale * tl.dot(dOVn, P_t, input_precision=PREC), 0.)
+    gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
+    dA = dA * gam
+    tl.store(dag + ar_off + r[:, None] * C + r[None, :], dA.to(dag.dtype.element_ty))
+    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    F = dA * tl.dot(bq, tl.trans(bk), input_precision=PREC)  # dA o Gamma o QK^T (dA is causal)
     db += tl.sum(F, 1) - tl.sum(F, 0)
-    # state path
-    db -= cS
-    dbC = tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0)
-    db += tl.where(r == C - 1, dbC, 0.)
     # WY path: P = Gamma o (Ar Diag(beta)), Ar = (I + A0)^-1, A0 = StrictTril(Diag(beta) K K^T)
     bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
-    dP = tl.where(causal, dP, 0.)
-    F = dP * (bar * beta[None, :] * gam)
+    dM = tl.where(causal, tl.load(dp + ar_off + r[:, None] * C + r[None, :]) * gam, 0.)
+    F = dM * bar * beta[None, :]
     db += tl.sum(F, 1) - tl.sum(F, 0)
-    dM = dP * gam
     dbeta = tl.sum(dM * bar, 0)
-    dAr = dM * beta[None, :]
-    dA0 = -tl.dot(bar_t, tl.dot(dAr, bar_t, input_precision=PREC), input_precision=PREC)
+    dA0 = -tl.dot(bar_t, tl.dot(dM * beta[None, :], bar_t, input_precision=PREC), input_precision=PREC)
     dA0 = tl.where(r[:, None] > r[None, :], dA0, 0.)
-    KK = tl.dot(bk, tl.trans(bk), input_precision=PREC)
-    dbeta += tl.sum(dA0 * KK, 1)
-    E = dA0 * beta[:, None]
-    bdk += tl.dot(E.to(dt), bk, input_precision=PREC)
-    # E^T K: E goes through memory so that no computed matrix is transposed in registers
-    p_s = scratch + ((i_bh * N + i_n) * C) * C
-    tl.store(p_s + r[:, None] * C + r[None, :], E)
-    tl.debug_barrier()
-    E_t = tl.load(p_s + r[None, :] * C + r[:, None])
-    bdk += tl.dot(E_t.to(dt), bk, input_precision=PREC)
+    dbeta += tl.sum(dA0 * tl.dot(bk, tl.trans(bk), input_precision=PREC), 1)
+    # dk += E K + E^T K in _bwd_dqk_kernel, which loads E both ways from memory
+    tl.store(emat + ar_off + r[:, None] * C + r[None, :], (dA0 * beta[:, None]).to(emat.dtype.element_ty))
     # beta = eta / (||k||^2 + eps): d eta = dbeta / (r^2 + eps), dk += -2 dbeta beta / (r^2 + eps) k
     m = rt < T
     if KACZ:
         kf = bk.to(tl.float32)
         rinv = 1.0 / (tl.sum(kf * kf, 1) + eps)
         bdeta = dbeta * rinv
-        bdk += (-2.0 * dbeta * beta * rinv)[:, None] * kf
+        tl.store(coef + i_bh * Tp + rt, -2.0 * dbeta * beta * rinv)
     else:
         bdeta = dbeta
     # b = cumsum(g): dg_j = sum_{i >= j} db_i
     bdg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
     tl.store(dg + (i_b * T + rt) * H + i_h, bdg, mask=m)
     tl.store(deta + (i_b * T + rt) * H + i_h, bdeta, mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, T, H, Tp, scale,
+                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+                    KACZ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Backward, part 2 (grid (K / BKB, chunks, B*H)): dq and dk of BKB key columns of one chunk, two
+    C x BKB accumulators, from _bwd_cc_kernel's Uc, dAg, E and beta coefficient:
+        dq = scale Diag(exp b) dO S0^T + dAg K
+        dk = Uc dS1^T - Diag(exp b) dVn S0^T + dAg^T Q + (E + E^T) K + Diag(coef) K
+    Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed)."""
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    N = tl.cdiv(T, C)
+    t0 = i_n * C
+    dt = DT
+    r = tl.arange(0, C)
+    rt, ck = t0 + r, i_k * BKB + tl.arange(0, BKB)
+    qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
+    h_off = (i_bh * N + i_n) * K * V
+    ar_off = (i_bh * Tp + t0) * C
+    neb = -tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt))
+    X = tl.zeros([C, BKB], dtype=tl.float32)    # dO S0^T
+    bdk = tl.zeros([C, BKB], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        S0_t = tl.trans(_ld(hs + h_off, ck, cv, K, V, V, 1).to(dt))  # transposes of loaded tiles
+        dS1_t = tl.trans(_ld(dhs + h_off, ck, cv, K, V, V, 1).to(dt))
+        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+        buc = _ld(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(dt)
+        X = tl.dot(bdo, S0_t, acc=X, input_precision=PREC)
+        bdk = tl.dot(buc, dS1_t, acc=bdk, input_precision=PREC)
+        bdk = tl.dot((bdv * neb[:, None]).to(dt), S0_t, acc=bdk, input_precision=PREC)
+    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)
+    bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
     _st(dq + qk_off, rt, ck, T, K, H * K, 1, bdq)
+    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
+    bdk = tl.dot(dAg_t, bq, acc=bdk, input_precision=PREC)
+    EE = (tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
+          + tl.load(emat + ar_off + r[None, :] * C + r[:, None]).to(tl.float32))
+    bdk = tl.dot(EE.to(dt), bk, acc=bdk, input_precision=PREC)
+    if KACZ:
+        bdk += tl.load(coef + i_bh * Tp + rt)[:, None] * bk.to(tl.float32)
     _st(dk + qk_off, rt, ck, T, K, H * K, 1, bdk)
 
 
@@ -511,11 +568,25 @@ def _pre_config(BK, V, fp32=False):
 
 
 def _bwd_chunk_config(BK, V, fp32=False):
-    """(value columns per step, warps) of the token-parallel backward kernel; float32 tiles need
-    smaller blocks to fit in shared memory."""
+    """(value columns per step, warps) of _bwd_cc_kernel (the name is kept for bench.py's tune section).
+    BV = 16 with 8 warps: ptxas (sm_90, Triton 3.9) reports 16 B of spills at K = V = 128 and none at 64,
+    against 332 B at BV = 32 and 844 B at BV = 64 (tools/ptxas_report.py)."""
     if fp32:
-        return 16, 8
-    return min(64, max(16, triton.next_power_of_2(V))), (4 if BK <= 64 else 8)
+        return 16, 4
+    return 16, 8
+
+
+def _bwd_wy_warps(BK, fp32=False):
+    """Warps of _bwd_wy_kernel (8: no spills at K = 128; 4 spills 260 B)."""
+    return 4 if fp32 else 8
+
+
+def _bwd_dqk_config(BK, V, fp32=False):
+    """(key columns per program, value columns per step, warps) of _bwd_dqk_kernel (BKB 64, BV 32, 8 warps:
+    no spills at K = 128; BV 64 with 4 warps spills 1044 B)."""
+    if fp32:
+        return min(BK, 32), 16, 4
+    return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8
 
 
 class KLAChunkFunction(torch.autograd.Function):
@@ -587,11 +658,24 @@ class KLAChunkFunction(torch.autograd.Function):
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-        scratch = torch.empty(B * H * N, C, C, device=dev, dtype=torch.float32)
+        sdt = hs.dtype
+        uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
+        dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
+        dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
+        dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
         BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
-        _bwd_chunk_kernel[(N, B * H)](
-            q, k, v, do, dv, bl, beta, ar, hs, dhs, scratch, dq, dk, dg, deta, T, H, Tp, scale, eps,
-            K=K, V=V, C=C, BK=BK, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+        _bwd_cc_kernel[(N, B * H)](
+            q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BVB, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+        _bwd_wy_kernel[(N, B * H)](
+            q, k, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, T, H, Tp, scale, eps,
+            K=K, C=C, BK=BK, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
+        del dovn, dp, dbl
+        BKB, BVB, nw = _bwd_dqk_config(BK, V, q.dtype == torch.float32)
+        _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
+            q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, T, H, Tp, scale,
+            K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+        del uc, dag, emat, coef
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
         return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None
 

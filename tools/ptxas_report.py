@@ -1,0 +1,100 @@
+"""
+Registers and spills of kernel.py's kernels for sm_90 without a GPU (Triton 3.9 on CPU + its bundled
+ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
+    python tools/ptxas_report.py [NAME ...]      (names from CONFIGS below; default: all)
+Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton
+import triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+
+import kernel
+
+FP32_ARGS = {"bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef", "scratch", "dbl",
+             "dh0", "dht", "h0", "ht", "s_in", "s_out"}
+INT_ARGS = {"T", "H", "Tp"}
+FLT_ARGS = {"scale", "eps"}
+
+
+def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
+    sig = {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            sig[name] = "constexpr"
+        elif name in INT_ARGS:
+            sig[name] = "i32"
+        elif name in FLT_ARGS:
+            sig[name] = "fp32"
+        elif name in FP32_ARGS:
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "*" + dtype
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                        "num_stages": num_stages})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        open(p, "w").write(ck.asm["ptx"])
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", p, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True)
+    txt = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    return (int(regs.group(1)) if regs else None, spill.groups() if spill else None, ck.metadata.shared)
+
+
+def configs(K, sel, fp32=False):
+    """(label, kernel, constexprs, warps): the chosen configuration of every backward kernel first
+    (marked *), then alternatives; head size K = V."""
+    BK = kernel._block_k(K)
+    base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="ieee" if fp32 else "tf32",
+                DT=tl.float32 if fp32 else tl.bfloat16)
+    out = []
+    bv, nw = kernel._bwd_chunk_config(BK, K, fp32)
+    out.append((f"* _bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
+    nw = kernel._bwd_wy_warps(BK, fp32)
+    out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw))
+    bkb, bv, nw = kernel._bwd_dqk_config(BK, K, fp32)
+    out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw))
+    if fp32:
+        return out
+    for bv, nw in ((16, 4), (32, 8), (64, 8)):
+        out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
+    out.append((f"_bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, 4))
+    for bv, nw in ((16, 4), (64, 8), (64, 4)):
+        out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=min(BK, 64), BV=bv), nw))
+    if os.environ.get("OLD_KERNEL"):  # a kernel.py with the single _bwd_chunk_kernel (main before the split)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("kernel_old", os.environ["OLD_KERNEL"])
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        out.append((f"old _bwd_chunk_kernel K=V={K}", old._bwd_chunk_kernel, dict(base, BV=64), 4 if K <= 64 else 8))
+    return out
+
+
+def main():
+    """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs."""
+    fp32 = "--fp32" in sys.argv
+    sel = [a for a in sys.argv[1:] if a != "--fp32"]
+    for K in (128, 64):
+        for name, fn, cx, nw in configs(K, sel, fp32):
+            if sel and not any(s in name for s in sel):
+                continue
+            cx = {k: v for k, v in cx.items() if k in fn.arg_names}
+            regs, spill, smem = compile_report(fn, cx, nw, "fp32" if fp32 else "bf16")
+            shown = {k: v for k, v in cx.items() if k in ("BV", "BKB")}
+            print(f"{name:36s} {str(shown):24s} warps {nw}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
