@@ -88,7 +88,8 @@ def _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps,
     e = tl.load(eta + (i_b * T + t) * H + i_h, mask=m, other=0.)
     if KACZ:
         kf = bk.to(tl.float32)
-        beta = e / (tl.sum(kf * kf, 1) + eps)
+        r2 = tl.sum(kf * kf, 1) + eps
+        beta = tl.where(r2 > 0, e / r2, 0.)  # eps = 0 and a zero key: no write, as model.kla_beta
     else:
         beta = e
     tl.store(beta_out + i_bh * Tp + t, beta)
@@ -436,7 +437,8 @@ def _bwd_wy_kernel(q, k, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat, coef, d
     m = rt < T
     if KACZ:
         kf = bk.to(tl.float32)
-        rinv = 1.0 / (tl.sum(kf * kf, 1) + eps)
+        r2 = tl.sum(kf * kf, 1) + eps
+        rinv = tl.where(r2 > 0, 1.0 / r2, 0.)
         bdeta = dbeta * rinv
         tl.store(coef + i_bh * Tp + rt, -2.0 * dbeta * beta * rinv)
     else:
@@ -507,7 +509,8 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
     gg = tl.load(g + i_bh).to(tl.float32)
     beta = tl.load(eta + i_bh).to(tl.float32)
     if KACZ:
-        beta = beta / (tl.sum(bk * bk, 0) + eps)
+        r2 = tl.sum(bk * bk, 0) + eps
+        beta = tl.where(r2 > 0, beta / r2, 0.)
     offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
     ms = mk[:, None] & mv[None, :]
     S = tl.load(s_in + offs, mask=ms, other=0.).to(tl.float32) * tl.exp(gg)

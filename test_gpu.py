@@ -28,34 +28,48 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
-def make_inputs(B, T, H, K, V, knorm, h0, device, gen):
+DECAY = {"mixed": (-6, 0), "strong": (1.5, 2.5), "weak": (-12, -9)}  # log(-g): g from -e^lo to -e^hi
+
+
+def make_inputs(B, T, H, K, V, knorm, h0, device, gen, decay="mixed", edge=False):
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device, generator=gen), dim=-1)
     lo, hi = math.log(knorm[0]), math.log(knorm[1])
     k = k * torch.exp(lo + (hi - lo) * torch.rand(B, T, H, 1, device=device, generator=gen))
     v = torch.randn(B, T, H, V, device=device, generator=gen)
-    # Mamba2-like decays: some heads slow, some fast
-    g = -torch.exp(torch.empty(B, T, H, device=device).uniform_(-6, 0, generator=gen))
+    # Mamba2-like decays: some heads slow, some fast (mixed); strong: g ~ -5 (state forgotten within a few
+    # tokens); weak: g ~ -1e-4; none: g = 0
+    g = torch.zeros(B, T, H, device=device)
+    if decay != "none":
+        g = -torch.exp(g.uniform_(*DECAY[decay], generator=gen))
     eta = torch.rand(B, T, H, device=device, generator=gen)
+    if edge:  # zero keys (every 7th token), eta exactly 0 and 1, g = 0 on a stretch
+        k[:, ::7] = 0.
+        eta[:, 1::7], eta[:, 2::7] = 0., 1.
+        g[:, T // 3: T // 2] = 0.
     s0 = torch.randn(B, H, K, V, device=device, generator=gen) if h0 else None
     return q, k, v, g, eta, s0
 
 
-def check_chunk(B, T, H, K, V, dtype, h0, kaczmarz, knorm, device, gen):
-    q, k, v, g, eta, s0 = make_inputs(B, T, H, K, V, knorm, h0, device, gen)
+def check_chunk(B, T, H, K, V, dtype, h0, kaczmarz, knorm, device, gen, decay="mixed", grad=True, eps=1e-6,
+                edge=False):
+    q, k, v, g, eta, s0 = make_inputs(B, T, H, K, V, knorm, h0, device, gen, decay, edge)
     ours = [x.to(dtype) for x in (q, k, v)] + [g, eta] + ([s0] if h0 else [])
     ours = [x.clone().requires_grad_() for x in ours]
     ref = [x.detach().double().requires_grad_() for x in ours]
-    o, ht = kernel.kla_chunk(*ours[:5], initial_state=ours[5] if h0 else None, output_final_state=True,
-                             kaczmarz=kaczmarz)
-    o_ref, ht_ref = model.kla_chunkwise(*ref[:5], initial_state=ref[5] if h0 else None, output_final_state=True,
-                                        kaczmarz=kaczmarz)
+    with torch.set_grad_enabled(grad):
+        o, ht = kernel.kla_chunk(*ours[:5], initial_state=ours[5] if h0 else None, output_final_state=True,
+                                 kaczmarz=kaczmarz, eps=eps)
+        o_ref, ht_ref = model.kla_chunkwise(*ref[:5], initial_state=ref[5] if h0 else None,
+                                            output_final_state=True, kaczmarz=kaczmarz, eps=eps)
+    errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
+    finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
+    if not grad:
+        return errs, finite
     do = torch.randn(o_ref.shape, device=device, dtype=torch.float64, generator=gen)
     dht = torch.randn(ht_ref.shape, device=device, dtype=torch.float64, generator=gen)
     torch.autograd.backward([o, ht], [do.to(o.dtype), dht.float()])
     torch.autograd.backward([o_ref, ht_ref], [do, dht])
-    errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
-    finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
     for name, a, b in zip(["dq", "dk", "dv", "dg", "deta", "dh0"], ours, ref):
         errs[name] = rel(a.grad, b.grad)
         finite &= bool(torch.isfinite(a.grad).all())
@@ -92,7 +106,8 @@ def main():
     f32, bf16 = torch.float32, torch.bfloat16
     wide, unit = (1e-2, 1e2), (1.0, 1.0)
     if smoke:
-        cases = [(1, 1, 1, 32, 32, f32, True, True, wide), (1, 70, 2, 32, 16, f32, False, True, wide)]
+        cases = [(1, 1, 1, 32, 32, f32, True, True, wide, {}), (1, 70, 2, 32, 16, f32, False, True, wide, {}),
+                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(eps=0.0, edge=True, decay="weak"))]
     else:  # (B, T, H, K, V, dtype, initial state, kaczmarz, key norms)
         cases = [  # most important first: a timeout still leaves the earlier rows in the table
             (2, 1000, 4, 128, 128, bf16, True, True, wide),
@@ -110,18 +125,30 @@ def main():
             (2, 1000, 4, 128, 128, bf16, True, False, unit),
             (1, 300, 3, 48, 96, f32, True, True, wide),
             (2, 500, 2, 128, 128, f32, True, False, unit),
+            # robustness (issue 6): long sequences with strong / weak / no decay, extreme key norms, eps = 0
+            (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="strong", grad=False)),
+            (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="weak", grad=False)),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="strong")),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="weak")),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="none")),
+            (2, 1000, 4, 128, 128, bf16, True, True, (1e-4, 1e4), {}),
+            (2, 1000, 4, 64, 64, bf16, True, True, (1e-4, 1e-2), {}),
+            (2, 1000, 4, 64, 64, bf16, True, True, (1e2, 1e4), {}),
+            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(eps=0.0, edge=True)),
+            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(eps=0.0, edge=True)),
         ]
+        cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
     if pick:  # --cases=0,3: a subset, by position in the list above
         cases = [cases[int(i)] for i in pick.split(",")]
     cols = ["o", "ht", "dq", "dk", "dv", "dg", "deta", "dh0"]
-    lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | " + " | ".join(cols) + " | ok |",
-             "|" + "---|" * (10 + len(cols))]
+    lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | other | " + " | ".join(cols) + " | ok |",
+             "|" + "---|" * (11 + len(cols))]
     failures = 0
-    for B, T, H, K, V, dtype, h0, kacz, knorm in cases:
+    for B, T, H, K, V, dtype, h0, kacz, knorm, opts in cases:
         t = time.time()
         try:
-            errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen)
+            errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
         except Exception as err:  # report and go on with the other cases
             print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
             errs, finite = {}, False
@@ -129,7 +156,8 @@ def main():
         ok = finite and all(e < tol for e in errs.values())
         failures += not ok
         cells = [f"{errs[c]:.1e}" if c in errs else "-" for c in cols]
-        lines.append(f"| {B} | {T} | {H} | {K} | {V} | {str(dtype)[6:]} | {h0} | {kacz} | {knorm[0]:g}..{knorm[1]:g} | "
+        other = ", ".join(f"{n}={x}" for n, x in opts.items()) or "-"
+        lines.append(f"| {B} | {T} | {H} | {K} | {V} | {str(dtype)[6:]} | {h0} | {kacz} | {knorm[0]:g}..{knorm[1]:g} | {other} | "
                      + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
         print(lines[-1], f"({time.time() - t:.1f}s)", flush=True)
         write(out, lines)

@@ -468,6 +468,20 @@ def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
 
 
+def test_kernel_edge_values():
+    """eps = 0 with zero keys (no write, as the reference), eta at 0 and 1, g = 0: finite and equal to
+    the float64 reference, output and every gradient; the decode step too."""
+    q, k, v, g, eta, h0 = make_inputs(1, 70, 2, 32, 32, norm_range=(-2, 2))
+    k[:, 5], k[:, 66:] = 0.0, 0.0  # a zero key inside the first chunk and in the padded last one
+    eta[:, :4], eta[:, 4:8], g[:, 10:40] = 0.0, 1.0, 0.0
+    ref = outputs_and_grads(kla_chunkwise, [q, k, v, g, eta, h0], eps=0.0)
+    out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in (q, k, v, g, eta, h0)], eps=0.0)
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all() and rel_err(a, b) < 1e-4, name
+    o, h1 = kernel.kla_step(*(x[:, 5:6].float() for x in (q, k, v, g, eta)), h0.float(), eps=0.0)
+    assert torch.isfinite(o).all() and rel_err(h1, g[:, 5].exp()[..., None, None] * h0) < 1e-6
+
+
 def test_kernel_noncontiguous_no_grad_and_scale():
     q, k, v, g, eta, h0 = make_inputs(1, 70, 2, 32, 32, dtype=torch.float32, norm_range=(-1, 1))
     # (B, H, T, D) storage viewed as (B, T, H, D)
