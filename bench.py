@@ -8,7 +8,8 @@ Sections (comma-separated; default kernel,decode):
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
-  train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn: a training step at
+  train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
+          (--compile=0,1; --lengths=2048 picks lengths): a training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory.
   train_profile  the largest GPU kernels of one KLA training step (where the time goes).
   prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
@@ -215,17 +216,22 @@ def section_profile(device, smoke):
 
 
 def model_configs(smoke):
-    """(GPTConfig kwargs, [(batch, T)] with equal tokens per step)."""
+    """(GPTConfig kwargs, [(batch, T)] with equal tokens per step; --lengths=2048,8192 picks some)."""
     if smoke:
-        return dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, chunk_size=16), [(4, 64), (2, 128)]
-    return dict(n_layer=12, n_head=6, n_embd=768, vocab_size=50304), [(32, 2048), (8, 8192), (2, 32768)]
+        cfg, shapes = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, chunk_size=16), [(4, 64), (2, 128)]
+    else:
+        cfg, shapes = dict(n_layer=12, n_head=6, n_embd=768, vocab_size=50304), [(32, 2048), (8, 8192), (2, 32768)]
+    pick = ARGS.get("lengths")
+    return cfg, [s for s in shapes if not pick or str(s[1]) in pick.split(",")]
 
 
-def train_step_fn(mixer, batch, T, device, smoke):
+def train_step_fn(mixer, batch, T, device, smoke, compiled=False):
     cfg, _ = model_configs(smoke)
     model = GPT(GPTConfig(block_size=T, mixer=mixer, **cfg)).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
+    if compiled:
+        model.compile()  # in place: model stays the GPT, with get_num_params and estimate_mfu
     idx = torch.randint(cfg["vocab_size"], (batch, T + 1), device=device)
     ctx = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" else torch.autocast(device, enabled=False)
 
@@ -254,25 +260,32 @@ def median_ms(step, device, warmup=2, reps=5):
 
 
 def section_train(device, smoke):
-    """Training throughput (forward, backward, AdamW step; bf16 autocast on CUDA) of each mixer."""
+    """Training throughput (forward, backward, AdamW step; bf16 autocast on CUDA) of each mixer, eager and
+    torch.compile'd (--compile=0,1)."""
     _, shapes = model_configs(smoke)
     peak = 989e12  # H100 / H200 dense bf16
     rows, base = [], {}
     for batch, T in shapes:
-        for mixer in ("attn", "kla", "gdn"):
-            if device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            model, step = train_step_fn(mixer, batch, T, device, smoke)
-            ms = median_ms(step, device)
-            tok_s = batch * T / ms * 1e3
-            base.setdefault(T, tok_s)  # attention, the first of each length
-            mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-            rows.append([mixer, T, batch, model.get_num_params() / 1e6, ms, tok_s, tok_s / base[T],
-                         model.estimate_mfu(batch * T, ms / 1e3, peak) if device == "cuda" else float("nan"), mem])
-            print(rows[-1], flush=True)
-            del model, step
-    head = ["mixer", "T", "batch", "params M", "ms / step", "tokens/s", "vs attn", "MFU", "peak GiB"]
+        for compiled in [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]:
+            for mixer in ("attn", "kla", "gdn"):
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                model, step = train_step_fn(mixer, batch, T, device, smoke, compiled)
+                t0 = time.perf_counter()
+                step()  # compiles
+                first = time.perf_counter() - t0
+                ms = median_ms(step, device)
+                tok_s = batch * T / ms * 1e3
+                base.setdefault((T, compiled), tok_s)  # attention, the first of each length and mode
+                mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+                mfu = model.estimate_mfu(batch * T, ms / 1e3, peak) if device == "cuda" else float("nan")
+                rows.append([mixer, "compiled" if compiled else "eager", T, batch, model.get_num_params() / 1e6,
+                             ms, tok_s, tok_s / base[(T, compiled)], mfu, mem, first])
+                print(rows[-1], flush=True)
+                del model, step
+    head = ["mixer", "mode", "T", "batch", "params M", "ms / step", "tokens/s", "vs attn", "MFU", "peak GiB",
+            "first step s"]
     return "training step of the whole model, bf16 autocast, median of 5 after 2 warm-up steps", head, rows
 
 
@@ -362,8 +375,11 @@ def table(title, head, rows):
     return "\n".join(lines)
 
 
+ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+
+
 def main():
-    arg = lambda name, default: next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
+    arg = lambda name, default: ARGS.get(name, default)
     names = arg("section", "kernel,decode").split(",")
     out = arg("out", os.environ.get("OUT"))
     smoke = "--smoke" in sys.argv

@@ -160,12 +160,18 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
         backend = "triton" if q.is_cuda and _kernel is not None else "chunkwise"
     kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz)
     if backend == "triton":
-        if q.shape[1] == 1 and initial_state is not None:
-            return _kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz)
-        return _kernel.kla_chunk(q, k, v, g, eta, **kw)
+        return _triton_attention(q, k, v, g, eta, **kw)
     if backend == "recurrent" or q.shape[1] == 1:
         return kla_recurrent(q, k, v, g, eta, **kw)
     return kla_chunkwise(q, k, v, g, eta, chunk_size=chunk_size, **kw)
+
+
+@torch.compiler.disable  # torch.compile fuses the layer around the kernel; the kernel runs as it is
+def _triton_attention(q, k, v, g, eta, *, eps, initial_state, output_final_state, kaczmarz):
+    if q.shape[1] == 1 and initial_state is not None:
+        return _kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz)
+    return _kernel.kla_chunk(q, k, v, g, eta, eps=eps, initial_state=initial_state,
+                             output_final_state=output_final_state, kaczmarz=kaczmarz)
 
 
 def resolve_backend(backend, device_type):
