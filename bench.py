@@ -225,14 +225,18 @@ def model_configs(smoke):
     return cfg, [s for s in shapes if not pick or str(s[1]) in pick.split(",")]
 
 
-def train_step_fn(mixer, batch, T, device, smoke, compiled=False):
-    cfg, _ = model_configs(smoke)
-    model = GPT(GPTConfig(block_size=T, mixer=mixer, **cfg)).to(device)
+def train_model(mixer, block_size, device, compiled=False, smoke=None):
+    cfg, _ = model_configs(smoke if smoke is not None else device != "cuda")
+    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **cfg)).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
     if compiled:
-        model.compile()  # in place: model stays the GPT, with get_num_params and estimate_mfu
-    idx = torch.randint(cfg["vocab_size"], (batch, T + 1), device=device)
+        model.compile(dynamic=True)  # in place: model stays the GPT, with get_num_params and flops_per_token
+    return model, opt
+
+
+def train_step_fn(model, opt, batch, T, device):
+    idx = torch.randint(model.config.vocab_size, (batch, T + 1), device=device)
     ctx = torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" else torch.autocast(device, enabled=False)
 
     def step():
@@ -241,7 +245,7 @@ def train_step_fn(mixer, batch, T, device, smoke, compiled=False):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return model, step
+    return step
 
 
 def median_ms(step, device, warmup=2, reps=5):
@@ -261,29 +265,37 @@ def median_ms(step, device, warmup=2, reps=5):
 
 def section_train(device, smoke):
     """Training throughput (forward, backward, AdamW step; bf16 autocast on CUDA) of each mixer, eager and
-    torch.compile'd (--compile=0,1)."""
+    torch.compile'd (--compile=0,1; compiled with dynamic shapes, once per mixer for all lengths)."""
     _, shapes = model_configs(smoke)
     peak = 989e12  # H100 / H200 dense bf16
     rows, base = [], {}
-    for batch, T in shapes:
-        for compiled in [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]:
-            for mixer in ("attn", "kla", "gdn"):
+    for compiled in [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]:
+        for mixer in ("attn", "kla", "gdn"):
+            model = opt = None
+            for batch, T in shapes:
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                model, step = train_step_fn(mixer, batch, T, device, smoke, compiled)
+                if model is None:
+                    model, opt = train_model(mixer, max(T for _, T in shapes), device, compiled)
+                step = train_step_fn(model, opt, batch, T, device)
                 t0 = time.perf_counter()
-                step()  # compiles
-                first = time.perf_counter() - t0
-                ms = median_ms(step, device)
+                try:
+                    step()  # compiles
+                    first = time.perf_counter() - t0
+                    ms = median_ms(step, device)
+                except torch.OutOfMemoryError:
+                    rows.append([mixer, "compiled" if compiled else "eager", T, batch] + ["OOM"] * 7)
+                    print(rows[-1], flush=True)
+                    continue
                 tok_s = batch * T / ms * 1e3
                 base.setdefault((T, compiled), tok_s)  # attention, the first of each length and mode
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-                mfu = model.estimate_mfu(batch * T, ms / 1e3, peak) if device == "cuda" else float("nan")
+                mfu = model.flops_per_token(T) * tok_s / peak if device == "cuda" else float("nan")
                 rows.append([mixer, "compiled" if compiled else "eager", T, batch, model.get_num_params() / 1e6,
                              ms, tok_s, tok_s / base[(T, compiled)], mfu, mem, first])
                 print(rows[-1], flush=True)
-                del model, step
+            del model, opt, step
     head = ["mixer", "mode", "T", "batch", "params M", "ms / step", "tokens/s", "vs attn", "MFU", "peak GiB",
             "first step s"]
     return "training step of the whole model, bf16 autocast, median of 5 after 2 warm-up steps", head, rows
@@ -293,7 +305,7 @@ def section_train_profile(device, smoke):
     """Where a KLA training step spends its GPU time: the 15 largest kernels (torch.profiler)."""
     _, shapes = model_configs(smoke)
     batch, T = shapes[0]
-    _, step = train_step_fn("kla", batch, T, device, smoke)
+    step = train_step_fn(*train_model("kla", T, device, smoke=smoke), batch, T, device)
     step()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
@@ -337,30 +349,48 @@ def section_prefill(device, smoke):
 
 def section_generate(device, smoke):
     """Decoding tokens/s after a prompt (model.stream: chunkwise prefill, then one token at a time from
-    the carried state, plain or replayed from a CUDA graph; attention from its KV cache), batch 1 and 64."""
+    the carried state, plain or replayed from a CUDA graph; attention from its KV cache), batch 1 and 64.
+    One more attention row lets SDPA choose among all its backends (cuDNN included), the library default."""
+    import model as model_module
     prompts = (64, 256) if smoke else (1024, 8192, 32768)
     n_new = 8 if smoke else 64
     rows = []
-    for mixer, graph in (("attn", False), ("kla", False), ("kla", True)):
+    runs = [("kla", True, 0), ("kla", False, 0), ("attn", False, 0), ("attn", False, 1)]
+    for mixer, graph, all_backends in runs:
         model, vocab = eval_model(mixer, device, smoke)
-        for batch in (1, 64):
-            for P in prompts:
-                idx = torch.randint(vocab, (batch, P), device=device)
-                stream = model.stream(idx, n_new + 1, temperature=0, cuda_graph=graph)
-                next(stream)  # prefill and the first token
+        saved = model_module.SDPA_BACKENDS
+        if all_backends:
+            model_module.SDPA_BACKENDS = model_module.SDPA_BACKENDS + [model_module.SDPBackend.CUDNN_ATTENTION]
+        label = mixer + (" (CUDA graph)" if graph else "") + (" (all SDPA backends)" if all_backends else "")
+        for batch in ((1,) if all_backends else (1, 64)):
+            for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in stream:
-                    pass
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                tok_s = batch * n_new / (time.perf_counter() - t0)
-                rows.append([mixer + (" (CUDA graph)" if graph else ""), batch, P, tok_s])
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                try:
+                    idx = torch.randint(vocab, (batch, P), device=device)
+                    stream = model.stream(idx, n_new + 1, temperature=0, cuda_graph=graph)
+                    next(stream)  # prefill and the first token
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in stream:
+                        pass
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                except torch.OutOfMemoryError:
+                    rows.append([label, batch, P, "OOM", "OOM", "OOM"])
+                    print(rows[-1], flush=True)
+                    del stream
+                    continue
+                dt = time.perf_counter() - t0
+                mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+                rows.append([label, batch, P, batch * n_new / dt, 1e3 * dt / n_new, mem])
                 print(rows[-1], flush=True)
+        model_module.SDPA_BACKENDS = saved
         del model
     return f"decoding {n_new} tokens after the prompt, bf16 weights", \
-        ["mixer", "batch", "prompt", "tokens/s"], rows
+        ["mixer", "batch", "prompt", "tokens/s", "ms / step", "peak GiB"], rows
 
 
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,

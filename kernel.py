@@ -541,6 +541,12 @@ def _check(q, k, v, g, eta, initial_state, step=False):
         raise ValueError(f"v has head size V = {v.shape[-1]}; the kernel supports V <= 1024")
 
 
+def _common_dtype(q, k, v):
+    """q, k, v in one dtype, the narrowest of theirs: the kernels pick their precision from it."""
+    dt = min((q.dtype, k.dtype, v.dtype), key=lambda d: torch.finfo(d).bits)
+    return (x.to(dt) for x in (q, k, v))
+
+
 def _block_k(K):
     return max(16, triton.next_power_of_2(K))
 
@@ -687,8 +693,11 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
               kaczmarz=True):
     """Chunkwise KLA (kaczmarz=True) or gated delta rule (kaczmarz=False) on CUDA (or in Triton's
     interpreter). Same layout, defaults and return value as model.kla_chunkwise: (o (B, T, H, V) in
-    q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state."""
+    q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state.
+    If q, k and v differ in dtype (e.g. float32 q from a normalisation under CUDA autocast beside bfloat16
+    k, v), all three are cast to the narrowest of them, which is also o's dtype."""
     _check(q, k, v, g, eta, initial_state)
+    q, k, v = _common_dtype(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     save = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, eta, initial_state))
@@ -702,6 +711,7 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True):
     (B, H, K, V) float32. Returns (o (B, 1, H, V), new state). No host synchronisation: capturable
     in a CUDA graph. Not differentiable."""
     _check(q, k, v, g, eta, state, step=True)
+    q, k, v = _common_dtype(q, k, v)
     B, _, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale

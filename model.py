@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # -----------------------------------------------------------------------------
 # The reference functions. Layout: q, k (B, T, H, K); v (B, T, H, V); g, eta (B, T, H);
@@ -289,10 +290,11 @@ class DeltaMixer(nn.Module):
         q, st["q_conv"] = self.q_conv(self.q_proj(x), st.get("q_conv"))
         k, st["k_conv"] = self.k_conv(self.k_proj(x), st.get("k_conv"))
         v, st["v_conv"] = self.v_conv(self.v_proj(x), st.get("v_conv"))
-        q = F.normalize(q.view(B, T, H, dk), dim=-1)  # (B, T, H, dk)
+        # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
+        q = F.normalize(q.view(B, T, H, dk), dim=-1).to(v.dtype)
         k = k.view(B, T, H, dk)  # KLA: raw keys, that is the point
         if not self.kaczmarz:
-            k = F.normalize(k, dim=-1)
+            k = F.normalize(k, dim=-1).to(v.dtype)
         v = v.view(B, T, H, dv)
         eta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
@@ -301,6 +303,11 @@ class DeltaMixer(nn.Module):
                                           kaczmarz=self.kaczmarz, chunk_size=self.chunk_size)
         o = self.o_norm(o.to(x.dtype)) * F.silu(self.g_proj(x).view(B, T, H, dv))
         return self.o_proj(o.reshape(B, T, H * dv))
+
+
+# cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
+# key length every token (bench.py's generate section times both)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def rope(x, pos0, theta):
@@ -325,16 +332,24 @@ class Attention(nn.Module):
     def forward(self, x, cache=None):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # (B, T, H, D)
-        past = 0 if cache is None or "k" not in cache else cache["k"].shape[1]
+        past = 0 if cache is None else cache.get("n", 0)
         q, k = rope(q, past, self.theta), rope(k, past, self.theta)
-        if cache is not None:
-            if past:
-                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
-            cache["k"], cache["v"] = k, v
+        if cache is not None:  # keys and values in buffers that grow by doubling, written in place
+            if "k" not in cache or past + T > cache["k"].shape[1]:
+                cap = past + T + 256 if past == 0 else 2 * (past + T)
+                for name in ("k", "v"):
+                    buf = k.new_empty(B, cap, *k.shape[2:])
+                    if past:
+                        buf[:, :past] = cache[name][:, :past]
+                    cache[name] = buf
+            cache["k"][:, past:past + T], cache["v"][:, past:past + T] = k, v
+            cache["n"] = past + T
+            k, v = cache["k"][:, :past + T], cache["v"][:, :past + T]
         # causal with the queries aligned to the end of the keys (the newest tokens)
         mask = None if past == 0 or T == 1 else torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=past == 0 and T > 1)
+        with sdpa_kernel(SDPA_BACKENDS):
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask, is_causal=past == 0 and T > 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

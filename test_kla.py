@@ -308,16 +308,18 @@ def tiny_config(mixer, **kw):
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
 def test_generation_matches_full_forward(mixer):
-    """Prefill + one token at a time from the carried state gives the full forward's logits."""
+    """Prefill, a few tokens at once, then one token at a time from the carried state gives the full
+    forward's logits (attention: past its first buffer of prompt + 256 keys, so that the cache grows)."""
     torch.manual_seed(0)
     m = GPT(tiny_config(mixer)).eval()
-    idx = torch.randint(0, 61, (3, 45))
+    T = 300 if mixer == "attn" else 45
+    idx = torch.randint(0, 61, (3, T))
     with torch.no_grad():
         full, _ = m(idx, targets=idx)  # (B, T, vocab)
         cache = m.new_cache()
-        steps = [m(idx[:, :20], cache=cache)[0]]
-        steps += [m(idx[:, t:t + 1], cache=cache)[0] for t in range(20, 45)]
-    stepped = torch.cat(steps, 1)  # logits at positions 19 .. 44
+        steps = [m(idx[:, :20], cache=cache)[0], m(idx[:, 20:25], targets=idx[:, 20:25], cache=cache)[0]]
+        steps += [m(idx[:, t:t + 1], cache=cache)[0] for t in range(25, T)]
+    stepped = torch.cat(steps, 1)  # logits at positions 19 .. T - 1
     assert rel_err(stepped, full[:, 19:]) < 1e-5
     if mixer != "attn":  # O(1) decoding: the carried state does not grow with the context
         assert cache[0]["state"].shape == (3, 2, m.blocks[0].mixer.dk, m.blocks[0].mixer.dv)
