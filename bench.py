@@ -378,10 +378,10 @@ def section_generate(device, smoke):
                         pass
                     if device == "cuda":
                         torch.cuda.synchronize()
-                except torch.OutOfMemoryError:
-                    rows.append([label, batch, P, "OOM", "OOM", "OOM"])
-                    print(rows[-1], flush=True)
-                    del stream
+                except Exception as err:  # OOM at batch 64 for attention's cache; report and go on
+                    print(f"{label} batch {batch} prompt {P}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                    rows.append([label, batch, P] + [type(err).__name__] * 3)
+                    stream = None
                     continue
                 dt = time.perf_counter() - t0
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")

@@ -421,7 +421,7 @@ class GPT(nn.Module):
             x = block(x, None if cache is None else cache[i])
         x = self.norm_f(x)
         if targets is None:
-            return self.lm_head(x[:, [-1], :]), None
+            return self.lm_head(x[:, -1:, :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss

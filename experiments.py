@@ -1,0 +1,179 @@
+"""
+The paper's claims at small scale (README, "Reproducing the paper"): every (task, mixer, seed) run of
+train.py + evaluate.py, several at once on one GPU, and their results gathered into results/.
+
+$ python experiments.py --tasks=mqar,sniah,lm --mixers=kla,gdn,attn --seeds=1,2,3    # run, then collect + plot
+$ python experiments.py --collect          # only gather out-exp/*/eval.json into results/ and plot
+
+Tasks (their config file holds every hyper-parameter; flags after --train_args override them for all runs):
+  mqar   config/mqar.py: MQAR, 256 tokens, 32 pairs, vocab 8192; accuracy at 1x, 2x, 4x, 8x
+  sniah  config/sniah.py: MQAR with one pair, trained at 1024; accuracy at 1024 .. 8192
+  lm     config/python_stdlib.py: GPT-2 BPE over the Python standard library; val loss at 1x .. 16x
+Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
+eval.json exists is skipped, so seeds can be added later. --deadline=S stops the training runs still
+going after S seconds (their best checkpoint so far is evaluated, and the iteration reached is recorded).
+results/<task>.csv has one row per run (merged with the rows already there); results/<task>.png plots
+the mean and spread over seeds per mixer against the evaluation length.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
+         "sniah": ("config/sniah.py", "sniah", "accuracy"),
+         "lm": ("config/python_stdlib.py", "python_stdlib", "loss")}
+# the paper's MQAR / S-NIAH accuracies (%), KLA.md, for the plots and tables
+PAPER = {"mqar": {"kla": [98.35, 98.16, 95.64, 73.84], "gdn": [98.74, 98.36, 94.31, 66.81]},
+         "sniah": {"kla": [100.0, 100.0, 100.0, 100.0]}}
+
+# -----------------------------------------------------------------------------
+tasks = "mqar,sniah,lm"
+mixers = "kla,gdn,attn"
+seeds = "1,2,3"
+jobs = 9  # training processes at once
+deadline = 0  # seconds; 0: let every run finish
+root = "out-exp"
+results_dir = "results"
+train_args = ""  # extra train.py flags for every run, e.g. "--max_iters=500"
+eval_args = ""  # extra evaluate.py flags, e.g. "--max_examples=100"
+collect = False  # only collect and plot
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+# -----------------------------------------------------------------------------
+here = os.path.dirname(os.path.abspath(__file__))
+
+
+def runs():
+    for task in tasks.split(","):
+        if task not in TASKS:
+            sys.exit(f"error: unknown task {task!r}; choose from {', '.join(TASKS)}")
+        for mixer in mixers.split(","):
+            for seed in seeds.split(","):
+                yield task, mixer, int(seed), os.path.join(root, f"{task}-{mixer}-{seed}")
+
+
+def launch(cmd, out_dir, log_name):
+    os.makedirs(out_dir, exist_ok=True)
+    log = open(os.path.join(out_dir, log_name), "w")
+    return subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_all():
+    for task in tasks.split(","):  # data first, once per dataset
+        dataset = TASKS[task][1]
+        if not os.path.exists(os.path.join(here, "data", dataset, "meta.json")):
+            subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}"], cwd=here, check=True)
+    todo = [r for r in runs() if not os.path.exists(os.path.join(r[3], "eval.json"))]
+    t0, waiting, running, done = time.time(), list(todo), {}, []
+    while waiting or running:
+        while waiting and len(running) < jobs and not (deadline and time.time() - t0 > deadline):
+            task, mixer, seed, out_dir = waiting.pop(0)
+            cmd = ["train.py", TASKS[task][0], f"--mixer={mixer}", f"--seed={seed}", f"--out_dir={out_dir}",
+                   "--sample_tokens=0"] + train_args.split()
+            running[out_dir] = launch(cmd, out_dir, "stdout.txt")
+            print(f"[{time.time() - t0:6.0f}s] started {out_dir}", flush=True)
+        if deadline and time.time() - t0 > deadline:
+            for out_dir, p in running.items():
+                p.kill()  # checkpoints are written atomically: the last good one stays
+                print(f"[{time.time() - t0:6.0f}s] deadline: stopped {out_dir}", flush=True)
+            done += list(running)
+            running = {}
+            waiting = []
+        for out_dir, p in list(running.items()):
+            if p.poll() is not None:
+                print(f"[{time.time() - t0:6.0f}s] finished {out_dir} (exit {p.returncode})", flush=True)
+                done.append(out_dir)
+                del running[out_dir]
+        time.sleep(1)
+    evals = [launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt") for d in done
+             if os.path.exists(os.path.join(d, "ckpt.pt"))]
+    for p in evals:
+        p.wait()
+    print(f"[{time.time() - t0:6.0f}s] evaluated {len(evals)} runs", flush=True)
+
+
+def collect_results():
+    os.makedirs(results_dir, exist_ok=True)
+    for task, (_, dataset, column) in TASKS.items():
+        path = os.path.join(results_dir, f"{task}.csv")
+        rows = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = {(r["mixer"], r["seed"]): r for r in csv.DictReader(f)}
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            if not name.startswith(task + "-") or not os.path.exists(os.path.join(root, name, "eval.json")):
+                continue
+            ev = json.load(open(os.path.join(root, name, "eval.json")))
+            log = [json.loads(line) for line in open(os.path.join(root, name, "log.jsonl"))]
+            vals = [r["val_loss"] for r in log if "val_loss" in r]
+            tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
+            last = max((r.get("iter", 0) for r in log), default=0)
+            row = {"mixer": ev["mixer"], "seed": str(ev["seed"]), "best_iter": ev["iter_num"],
+                   "last_iter": last, "best_val_loss": f"{min(vals):.4f}" if vals else "",
+                   "tok_s": f"{tok_s[len(tok_s) // 2]:.0f}" if tok_s else ""}
+            row.update({f"{column}@{r['length']}": f"{r[column]:.4f}" for r in ev["results"]})
+            rows[(row["mixer"], row["seed"])] = row
+        if not rows:
+            continue
+        fields = list(dict.fromkeys(k for r in rows.values() for k in r))
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], int(r["seed"]))))
+        print(summary(task, column, list(rows.values())))
+        plot(task, column, list(rows.values()))
+
+
+def by_mixer(rows, column):
+    """{mixer: (lengths, [values per length per seed])}"""
+    out = {}
+    for r in rows:
+        keys = sorted((int(k.split("@")[1]) for k in r if k.startswith(column + "@") and r[k] != ""))
+        out.setdefault(r["mixer"], (keys, []))[1].append([float(r[f"{column}@{n}"]) for n in keys])
+    return out
+
+
+def summary(task, column, rows):
+    import numpy as np
+    lines = [f"### {task}: {column}, mean ± std over seeds (n)", ""]
+    for mixer, (lengths, vals) in sorted(by_mixer(rows, column).items()):
+        v = np.array(vals) * (100 if column == "accuracy" else 1)
+        cells = [f"{m:.2f} ± {s:.2f}" for m, s in zip(v.mean(0), v.std(0))]
+        lines.append(f"{mixer} (n={len(v)}): " + ", ".join(f"{n}: {c}" for n, c in zip(lengths, cells)))
+    return "\n".join(lines)
+
+
+def plot(task, column, rows):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for mixer, (lengths, vals) in sorted(by_mixer(rows, column).items()):
+        v = np.array(vals) * (100 if column == "accuracy" else 1)
+        line = ax.errorbar(lengths, v.mean(0), yerr=v.std(0), marker="o", capsize=3, label=f"{mixer} (n={len(v)})")
+        if mixer in PAPER.get(task, {}):
+            ax.plot(lengths, PAPER[task][mixer][:len(lengths)], ls="--", color=line[0].get_color(),
+                    label=f"{mixer}, paper")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("accuracy (%)" if column == "accuracy" else "validation loss (nats/token)")
+    ax.set_title({"mqar": "MQAR (trained at 256)", "sniah": "S-NIAH proxy (trained at 1024)",
+                  "lm": "Python stdlib LM (trained at 512)"}[task])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, f"{task}.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if not collect:
+        run_all()
+    collect_results()
