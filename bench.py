@@ -108,8 +108,11 @@ def section_kernel(device, smoke):
     if smoke:
         shapes = [(1, 100, 2, 32, True)]
     rows = []
-    for B, T, H, D, with_bwd in shapes:
+    pick = ARGS.get("rows")  # e.g. --rows=2b,3,4: shape index, then f (forward only) or b (fwd+bwd only)
+    for i, (B, T, H, D, with_bwd) in enumerate(shapes):
         for backward in ([False, True] if with_bwd else [False]):
+            if pick and not any(p == str(i) or p == f"{i}{'b' if backward else 'f'}" for p in pick.split(",")):
+                continue
             xs = inputs(B, T, H, D, device, requires_grad=backward)
             ours_ms, ours_mem = timed(ours_chunk, xs, backward, device)
             fla_ms, fla_mem = (timed(fla_chunk_fn(fla_chunk), xs, backward, device) if fla_chunk

@@ -122,7 +122,7 @@ def _store16(ar, base, bi: tl.constexpr, bj: tl.constexpr, X, C: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "Tp"])
 def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
                  K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, PREC: tl.constexpr):
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
     r = tl.arange(0, C)
@@ -182,7 +182,7 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o0, T, H, Tp, scal
     """Token-parallel: everything of a chunk that does not depend on the state entering it.
         W = P Diag(exp b) K,  Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W),  U0 = P V,  O0 = scale (Gamma o QK^T) U0
     so that the sequential kernel only computes U = U0 - W S, O = O0 + Qe S and the state update."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
     dt = DT
@@ -219,7 +219,7 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, o0, h0, o, ht, hs, T, H, Tp,
                 DT: tl.constexpr):
     """Sequential over chunks, state S (K x BV) in float32 registers:
         U = U0 - W S,  O = O0 + Qe S,  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     dt = DT
@@ -255,7 +255,7 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
                     PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel: dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
         dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
     dt = DT
@@ -287,7 +287,7 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, sc
                       USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     dt = DT
@@ -325,7 +325,7 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
     of the chunk. Only two C x C float32 accumulators live across the value loop; no C x K one. Writes
         Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and the gate gradient terms of the
         value loop (d / d b, natural log domain, per position)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     t0 = i_n * C
@@ -396,7 +396,7 @@ def _bwd_wy_kernel(q, k, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat, coef, d
     dU Vn^T and gate terms: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain
     rule, dg (reverse cumsum) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
     E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
     dt = DT
@@ -458,7 +458,7 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
         dq = scale Diag(exp b) dO S0^T + dAg K
         dk = Uc dS1^T - Diag(exp b) dVn S0^T + dAg^T Q + (E + E^T) K + Diag(coef) K
     Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed)."""
-    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     t0 = i_n * C
@@ -499,7 +499,7 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
 @triton.jit
 def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
                  K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V

@@ -1,6 +1,6 @@
 """
 GPU correctness of kernel.py against the float64 reference (model.kla_chunkwise, run in float64 on the GPU).
-A script, not a pytest module (CI has no GPU): python test_gpu.py [--out=DIR] [--cases=0,3] [--smoke]
+A script, not a pytest module (CI has no GPU): python test_gpu.py [--out=DIR] [--cases=0,3] [--large] [--smoke]
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
 (q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
@@ -98,6 +98,26 @@ def check_step(B, H, K, V, kaczmarz, knorm, device, gen):
     return errs, bool(torch.isfinite(o).all() and torch.isfinite(s1).all())
 
 
+def check_large(device, gen):
+    """Tensors past 2**31 elements (int64 offsets): v and o of (1, 2**21, 8, 128). The last head of the big
+    call (the largest offsets) against the same head computed alone, output and gradients."""
+    B, T, H, K = 1, 2 ** 21, 8, 128
+    q, k, v, g, eta, _ = make_inputs(B, T, H, K, K, (0.3, 3.0), False, device, gen)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    big = [x.requires_grad_() for x in (q, k, v, g, eta)]
+    alone = [x[:, :, -1:].detach().clone().requires_grad_() for x in big]
+    o_big, _ = kernel.kla_chunk(*big)
+    o_one, _ = kernel.kla_chunk(*alone)
+    do = torch.randn_like(o_one)
+    o_big[:, :, -1:].backward(do)
+    o_one.backward(do)
+    errs = {"o": rel(o_big[:, :, -1:], o_one)}
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "deta"], big, alone):
+        errs[name] = rel(a.grad[:, :, -1:], b.grad)
+    finite = bool(torch.isfinite(o_big).all()) and all(bool(torch.isfinite(x.grad).all()) for x in big)
+    return errs, finite
+
+
 def main():
     out = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")), os.environ.get("OUT"))
     smoke = "--smoke" in sys.argv
@@ -161,6 +181,13 @@ def main():
                      + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
         print(lines[-1], f"({time.time() - t:.1f}s)", flush=True)
         write(out, lines)
+    if "--large" in sys.argv and not smoke:
+        errs, finite = check_large(device, gen)
+        ok = finite and all(e < 1e-3 for e in errs.values())
+        failures += not ok
+        lines += ["", "past 2**31 elements, (1, 2**21, 8, 128) bf16, last head vs the same head alone: "
+                  + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
+        print(lines[-1], flush=True)
     lines += ["", "decode step (kla_step) vs the recurrent reference, float32:", ""]
     for B, kacz, knorm in [(1, True, wide), (32, True, wide), (4, False, unit)]:
         errs, finite = check_step(B, 16 if not smoke else 2, 128 if not smoke else 32, 128 if not smoke else 32,
