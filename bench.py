@@ -20,6 +20,7 @@ fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); 
 switched off (fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True): its gradients are wrong there, its time is not.
 """
 
+import json
 import os
 import sys
 
@@ -411,8 +412,59 @@ def table(title, head, rows):
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 
 
+def plot(results, path):
+    """bench.png: training tokens/s, prefill latency and decoding tokens/s (batch 1) against the length, one
+    line per mixer; panels for the sections present. python bench.py --plot=DIR/bench.json redraws it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    secs = results["sections"]
+    panels = [(name, secs[name]) for name in ("train", "prefill", "generate") if name in secs]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (name, sec) in zip(axes[0], panels):
+        col = {h: i for i, h in enumerate(sec["head"])}
+        lines = {}
+        for r in sec["rows"]:
+            if name == "train":
+                key, x, y = f"{r[col['mixer']]} ({r[col['mode']]})", r[col["T"]], r[col["tokens/s"]]
+            elif name == "prefill":
+                key, x, y = r[col["mixer"]], r[col["T"]], r[col["ms"]]
+            else:
+                if r[col["batch"]] != 1:
+                    continue
+                key, x, y = r[col["mixer"]], r[col["prompt"]], r[col["tokens/s"]]
+            if isinstance(y, (int, float)):
+                lines.setdefault(key, []).append((x, y))
+        for key, pts in lines.items():
+            ax.plot(*zip(*pts), marker="o", label=key)
+        if name == "train":  # the anchor: KLA.md's measurement on this H200, not timed in this run
+            ax.plot([2048, 8192, 32768], [249e3, 244e3, 204e3], ls="--", color="gray",
+                    label="fla GatedDeltaNet LM, 152M (KLA.md)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log" if name != "train" else "linear")
+        ax.set_xlabel("sequence length" if name != "generate" else "prompt length")
+        ax.set_ylabel({"train": "training tokens/s", "prefill": "prefill ms (batch 1)",
+                       "generate": "decoding tokens/s (batch 1)"}[name])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(results["env"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main():
     arg = lambda name, default: ARGS.get(name, default)
+    if "plot" in ARGS:  # redraw the plot of an earlier run, no GPU needed
+        with open(ARGS["plot"]) as f:
+            return plot(json.load(f), os.path.splitext(ARGS["plot"])[0] + ".png")
     names = arg("section", "kernel,decode").split(",")
     out = arg("out", os.environ.get("OUT"))
     smoke = "--smoke" in sys.argv
@@ -425,8 +477,11 @@ def main():
     torch.manual_seed(0)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
     text = [f"bench.py on {dev}, torch {torch.__version__}, triton {triton.__version__}"]
+    results = {"env": text[0], "sections": {}}
     for name in names:
-        text.append(table(*SECTIONS[name](device, smoke)))
+        title, head, rows = SECTIONS[name](device, smoke)
+        results["sections"][name] = {"title": title, "head": head, "rows": rows}
+        text.append(table(title, head, rows))
         print("\n" + text[-1], flush=True)
     text = "\n\n".join(text)
     print("\n" + text)
@@ -434,6 +489,9 @@ def main():
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "bench.md"), "w") as f:
             f.write(text + "\n")
+        with open(os.path.join(out, "bench.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        plot(results, os.path.join(out, "bench.png"))
 
 
 if __name__ == "__main__":

@@ -462,12 +462,16 @@ class GPT(nn.Module):
         return model
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False):
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False, prefill_chunk=8192):
         """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
-        path; every later token costs O(1) from the carried state (attention: its KV cache). cuda_graph:
-        replay each decoding step from a CUDA graph (KLA / GDN on CUDA), without per-kernel launch costs."""
+        path, in segments of prefill_chunk tokens for KLA / GDN (the state carried across them, so that
+        memory does not grow with the prompt); every later token costs O(1) from the carried state
+        (attention: its KV cache). cuda_graph: replay each decoding step from a CUDA graph (KLA / GDN on
+        CUDA), without per-kernel launch costs."""
         cache = self.new_cache()
-        logits, _ = self(idx, cache=cache)
+        step_len = idx.shape[1] if self.config.mixer == "attn" else prefill_chunk
+        for s in range(0, idx.shape[1], step_len):
+            logits, _ = self(idx[:, s:s + step_len], cache=cache)
         step = self.decode_step(cache, idx.shape[0], cuda_graph) if max_new_tokens > 1 else None
         for i in range(max_new_tokens):
             logits = logits[:, -1, :].float()

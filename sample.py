@@ -30,7 +30,7 @@ seed = 1337
 device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
-cuda_graph = False  # replay each decoding step from a CUDA graph (KLA / GDN on CUDA; not yet the default)
+cuda_graph = True  # KLA / GDN on CUDA: replay each decoding step from a CUDA graph (7x faster on the H200)
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------
 
@@ -59,6 +59,10 @@ except ValueError as err:
 model = GPT.from_checkpoint(checkpoint)
 model.eval()
 model.to(device)
+use_graph = cuda_graph and device_type == "cuda" and model.config.mixer != "attn"
+if use_graph and dtype != "float32":  # weights in the compute dtype instead of autocast inside the graph,
+    model.to(ptdtype)                 # the configuration bench.py measures (the state stays float32)
+    ctx = nullcontext()
 try:
     model.set_backend(device_type)
 except (ValueError, RuntimeError) as err:
@@ -87,7 +91,7 @@ with ctx:
         ids, printed = [], ""
         print(start, end="", flush=True)
         t0 = time.time()
-        tokens = model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None, cuda_graph=cuda_graph)
+        tokens = model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None, cuda_graph=use_graph)
         for i, tok in enumerate(tokens):
             if i == 0:  # the first token comes right after reading the prompt (prefill)
                 t1 = time.time()
