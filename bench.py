@@ -322,33 +322,52 @@ def section_train_profile(device, smoke):
     return f"one KLA training step at batch {batch}, T {T}: largest kernels", ["kernel / op", "calls", "ms"], rows
 
 
-def eval_model(mixer, device, smoke):
+def eval_model(mixer, device, smoke, compiled=False):
     cfg, _ = model_configs(smoke)
     model = GPT(GPTConfig(mixer=mixer, **cfg)).to(device).eval()
     model.set_backend(device)
     if device == "cuda":
         model.bfloat16()
+    if compiled:
+        model.compile(dynamic=True)
     return model, cfg["vocab_size"]
 
 
+def infer_modes():
+    """--compile_infer=0,1: the inference sections eager (0, the default) and / or torch.compile'd (1)."""
+    return [bool(int(c)) for c in ARGS.get("compile_infer", "0").split(",")]
+
+
+def segmented(model, idx, seg=8192):
+    """The prompt read in segments with the state carried (what model.stream does for KLA / GDN)."""
+    cache = model.new_cache()
+    for s in range(0, idx.shape[1], seg):
+        logits, _ = model(idx[:, s:s + seg], cache=cache)
+    return logits
+
+
 def section_prefill(device, smoke):
-    """Batch-1 forward over a long prompt (the logits of the last position), KLA against attention."""
+    """Batch-1 forward over a long prompt (the logits of the last position), KLA against attention; KLA
+    also in segments of 8192 tokens with the state carried (memory flat in T)."""
     lengths = (128, 512) if smoke else (4096, 16384, 65536, 131072)
+    seg = 64 if smoke else 8192
     rows = []
-    for mixer in ("attn", "kla"):
-        model, vocab = eval_model(mixer, device, smoke)
-        for T in lengths:
-            idx = torch.randint(vocab, (1, T), device=device)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            with torch.no_grad():
-                ms = median_ms(lambda m=model, x=idx: m(x), device, warmup=1, reps=3)
-            mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-            rows.append([mixer, T, ms, mem])
-            print(rows[-1], flush=True)
-        del model
-    return "prefill, batch 1, bf16 weights: median ms of 3", ["mixer", "T", "ms", "peak GiB"], rows
+    for compiled in infer_modes():
+        for mixer, how in (("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")):
+            model, vocab = eval_model(mixer, device, smoke, compiled)
+            fn = model if how == "one pass" else (lambda x, m=model: segmented(m, x, seg))
+            for T in lengths:
+                idx = torch.randint(vocab, (1, T), device=device)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad():
+                    ms = median_ms(lambda x=idx: fn(x), device, warmup=1, reps=3)
+                mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+                rows.append([mixer + (" (compiled)" if compiled else ""), how, T, ms, mem])
+                print(rows[-1], flush=True)
+            del model, fn
+    return "prefill, batch 1, bf16 weights: median ms of 3", ["mixer", "how", "T", "ms", "peak GiB"], rows
 
 
 def section_generate(device, smoke):
@@ -359,13 +378,15 @@ def section_generate(device, smoke):
     prompts = (64, 256) if smoke else (1024, 8192, 32768)
     n_new = 8 if smoke else 64
     rows = []
-    runs = [("kla", True, 0), ("kla", False, 0), ("attn", False, 0), ("attn", False, 1)]
-    for mixer, graph, all_backends in runs:
-        model, vocab = eval_model(mixer, device, smoke)
+    runs = [("kla", True, 0, c) for c in infer_modes()] + [("kla", False, 0, False), ("attn", False, 0, False),
+                                                          ("attn", False, 1, False)]
+    for mixer, graph, all_backends, compiled in runs:
+        model, vocab = eval_model(mixer, device, smoke, compiled)
         saved = model_module.SDPA_BACKENDS
         if all_backends:
             model_module.SDPA_BACKENDS = model_module.SDPA_BACKENDS + [model_module.SDPBackend.CUDNN_ATTENTION]
-        label = mixer + (" (CUDA graph)" if graph else "") + (" (all SDPA backends)" if all_backends else "")
+        label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
+            + (" (all SDPA backends)" if all_backends else "")
         for batch in ((1,) if all_backends else (1, 64)):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
@@ -434,7 +455,8 @@ def plot(results, path):
             if name == "train":
                 key, x, y = f"{r[col['mixer']]} ({r[col['mode']]})", r[col["T"]], r[col["tokens/s"]]
             elif name == "prefill":
-                key, x, y = r[col["mixer"]], r[col["T"]], r[col["ms"]]
+                key = r[col["mixer"]] + (f", {r[col['how']]}" if "how" in col and r[col["how"]] != "one pass" else "")
+                x, y = r[col["T"]], r[col["ms"]]
             else:
                 if r[col["batch"]] != 1:
                     continue
