@@ -366,7 +366,7 @@ def section_prefill(device, smoke):
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 rows.append([mixer + (" (compiled)" if compiled else ""), how, T, ms, mem])
                 print(rows[-1], flush=True)
-            del model, fn
+            del model
     return "prefill, batch 1, bf16 weights: median ms of 3", ["mixer", "how", "T", "ms", "peak GiB"], rows
 
 
