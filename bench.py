@@ -338,14 +338,6 @@ def infer_modes():
     return [bool(int(c)) for c in ARGS.get("compile_infer", "0").split(",")]
 
 
-def segmented(model, idx, seg=8192):
-    """The prompt read in segments with the state carried (what model.stream does for KLA / GDN)."""
-    cache = model.new_cache()
-    for s in range(0, idx.shape[1], seg):
-        logits, _ = model(idx[:, s:s + seg], cache=cache)
-    return logits
-
-
 def section_prefill(device, smoke):
     """Batch-1 forward over a long prompt (the logits of the last position), KLA against attention; KLA
     also in segments of 8192 tokens with the state carried (memory flat in T)."""
@@ -355,7 +347,7 @@ def section_prefill(device, smoke):
     for compiled in infer_modes():
         for mixer, how in (("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")):
             model, vocab = eval_model(mixer, device, smoke, compiled)
-            fn = model if how == "one pass" else (lambda x, m=model: segmented(m, x, seg))
+            fn = model if how == "one pass" else (lambda x, m=model: m.prefill(x, m.new_cache(), seg))
             for T in lengths:
                 idx = torch.randint(vocab, (1, T), device=device)
                 if device == "cuda":

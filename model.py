@@ -469,9 +469,7 @@ class GPT(nn.Module):
         (attention: its KV cache). cuda_graph: replay each decoding step from a CUDA graph (KLA / GDN on
         CUDA), without per-kernel launch costs."""
         cache = self.new_cache()
-        step_len = idx.shape[1] if self.config.mixer == "attn" else prefill_chunk
-        for s in range(0, idx.shape[1], step_len):
-            logits, _ = self(idx[:, s:s + step_len], cache=cache)
+        logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk)
         step = self.decode_step(cache, idx.shape[0], cuda_graph) if max_new_tokens > 1 else None
         for i in range(max_new_tokens):
             logits = logits[:, -1, :].float()
@@ -486,6 +484,14 @@ class GPT(nn.Module):
             yield idx_next
             if i + 1 < max_new_tokens:
                 logits = step(idx_next)
+
+    @torch.no_grad()
+    def prefill(self, idx, cache, segment):
+        """Read idx (B, T) into cache in segments of `segment` tokens, the state carried across them;
+        the logits of the last position."""
+        for s in range(0, idx.shape[1], segment):
+            logits, _ = self(idx[:, s:s + segment], cache=cache)
+        return logits
 
     def decode_step(self, cache, batch, cuda_graph=False):
         """A function token (B, 1) -> logits (B, 1, vocab) that advances cache by one token. With
