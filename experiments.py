@@ -35,7 +35,8 @@ PAPER = {"mqar": {"kla": [98.35, 98.16, 95.64, 73.84], "gdn": [98.74, 98.36, 94.
 tasks = "mqar,sniah,lm"
 mixers = "kla,gdn,attn"
 seeds = "1,2,3"
-jobs = 9  # training processes at once
+jobs = 9  # training processes at once (in all)
+gpus = ""  # GPUs to spread the runs over, e.g. "0,1" (a run sees one, through CUDA_VISIBLE_DEVICES); "": all
 deadline = 0  # seconds; 0: let every run finish
 root = "out-exp"
 results_dir = "results"
@@ -56,10 +57,27 @@ def runs():
                 yield task, mixer, int(seed), os.path.join(root, f"{task}-{mixer}-{seed}")
 
 
-def launch(cmd, out_dir, log_name):
+def gpu_ids():
+    """The GPUs to spread the runs over: --gpus, else every GPU nvidia-smi lists; [None] on a machine without."""
+    if gpus:
+        return gpus.split(",")
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    except OSError:
+        return [None]
+    return [str(i) for i in range(listing.count("GPU "))] or [None]
+
+
+def launch(cmd, out_dir, log_name, gpu=None):
     os.makedirs(out_dir, exist_ok=True)
     log = open(os.path.join(out_dir, log_name), "w")
-    return subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
+    return subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def least_busy(devices, gpu_of, running):
+    """The GPU with the fewest of the running processes."""
+    return min(devices, key=lambda g: sum(gpu_of[d] == g for d in running))
 
 
 def run_all():
@@ -69,13 +87,16 @@ def run_all():
             subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}"], cwd=here, check=True)
     todo = [r for r in runs() if not os.path.exists(os.path.join(r[3], "eval.json"))]
     t0, waiting, running, done = time.time(), list(todo), {}, []
+    devices, gpu_of = gpu_ids(), {}  # gpu_of: out_dir -> the GPU it runs on
     while waiting or running:
         while waiting and len(running) < jobs and not (deadline and time.time() - t0 > deadline):
             task, mixer, seed, out_dir = waiting.pop(0)
             cmd = ["train.py", TASKS[task][0], f"--mixer={mixer}", f"--seed={seed}", f"--out_dir={out_dir}",
                    "--sample_tokens=0"] + train_args.split()
-            running[out_dir] = launch(cmd, out_dir, "stdout.txt")
-            print(f"[{time.time() - t0:6.0f}s] started {out_dir}", flush=True)
+            gpu_of[out_dir] = least_busy(devices, gpu_of, running)
+            running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir])
+            on = f" on GPU {gpu_of[out_dir]}" if gpu_of[out_dir] is not None else ""
+            print(f"[{time.time() - t0:6.0f}s] started {out_dir}{on}", flush=True)
         if deadline and time.time() - t0 > deadline:
             for out_dir, p in running.items():
                 p.kill()  # checkpoints are written atomically: the last good one stays
@@ -89,9 +110,12 @@ def run_all():
                 done.append(out_dir)
                 del running[out_dir]
         time.sleep(1)
-    evals = [launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt") for d in done
-             if os.path.exists(os.path.join(d, "ckpt.pt"))]
-    for p in evals:
+    evals = {}
+    for d in done:
+        if os.path.exists(os.path.join(d, "ckpt.pt")):
+            gpu_of[d] = least_busy(devices, gpu_of, evals)
+            evals[d] = launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt", gpu_of[d])
+    for p in evals.values():
         p.wait()
     print(f"[{time.time() - t0:6.0f}s] evaluated {len(evals)} runs", flush=True)
 
