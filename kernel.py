@@ -578,11 +578,13 @@ def _pre_config(BK, V, fp32=False):
 
 def _bwd_chunk_config(BK, V, fp32=False):
     """(value columns per step, warps) of _bwd_cc_kernel (the name is kept for bench.py's tune section).
-    BV = 16 with 8 warps: ptxas (sm_90, Triton 3.9) reports 16 B of spills at K = V = 128 and none at 64,
-    against 332 B at BV = 32 and 844 B at BV = 64 (tools/ptxas_report.py)."""
+    BV = 64 with 4 warps, measured on the H200 (`python bench.py --section=tune`, forward + backward, ms):
+    (8, 4096, 16, 128) 4.52 against 5.90 for BV = 16 with 8 warps (the old default, chosen because ptxas
+    reported the fewest spills: 16 B against 844 B at BV = 64), (1, 32768, 16, 128) 6.15 against 7.52,
+    (16, 2048, 8, 64) 1.12 against 1.53. Fewer, wider steps of the value loop beat the spills."""
     if fp32:
         return 16, 4
-    return 16, 8
+    return min(64, max(16, triton.next_power_of_2(V))), 4
 
 
 def _bwd_wy_warps(BK, fp32=False):
