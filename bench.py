@@ -10,7 +10,8 @@ Sections (comma-separated; default kernel,decode):
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
           (--compile=0,1; --lengths=2048 picks lengths): a training step at
-          T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory.
+          T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
+          and fla's GatedDeltaNet LM of this width, eager, when flash-linear-attention imports (--fla_lm=0: not).
   train_profile  the largest GPU kernels of one KLA training step (where the time goes).
   prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
@@ -300,9 +301,57 @@ def section_train(device, smoke):
                              ms, tok_s, tok_s / base[(T, compiled)], mfu, mem, first])
                 print(rows[-1], flush=True)
             del model, opt, step
+    if device == "cuda" and ARGS.get("fla_lm", "1") == "1":  # the library users would pick, eager as it ships
+        rows += fla_lm_rows(shapes, base, device)
     head = ["mixer", "mode", "T", "batch", "params M", "ms / step", "tokens/s", "vs attn", "MFU", "peak GiB",
             "first step s"]
     return "training step of the whole model, bf16 autocast, median of 5 after 2 warm-up steps", head, rows
+
+
+def fla_lm_rows(shapes, base, device):
+    """fla's GatedDeltaNetForCausalLM at this width (hidden 768, 12 layers, 6 heads of 128, expand_v 2,
+    vocabulary 50304 tied: KLA.md's anchor), AdamW, bf16 autocast, not compiled, timed like ours. Needs the
+    flash-linear-attention wheel; its backward guard (fla #640) is switched off by load_fla (timing only).
+    'vs attn' is against compiled attention where that ran, else eager."""
+    if load_fla()[0] is None:
+        return []
+    try:
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+    except ImportError as err:
+        print(f"fla.models not importable ({err}): no fla LM rows")
+        return []
+    cfg = GatedDeltaNetConfig(hidden_size=768, num_hidden_layers=12, num_heads=6, head_dim=128, expand_v=2,
+                              vocab_size=50304, tie_word_embeddings=True)
+    model = GatedDeltaNetForCausalLM(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    rows = []
+    for batch, T in shapes:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        idx = torch.randint(50304, (batch, T), device=device)
+
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(input_ids=idx, labels=idx).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        try:
+            step()
+            first = time.perf_counter() - t0
+            ms = median_ms(step, device)
+        except Exception as err:  # OOM or an fla error: report it and go on
+            print(f"fla LM at T {T}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            rows.append(["fla GatedDeltaNet", "eager", T, batch] + [type(err).__name__] * 7)
+            continue
+        tok_s = batch * T / ms * 1e3
+        ref = base.get((T, True), base.get((T, False)))
+        rows.append(["fla GatedDeltaNet", "eager", T, batch, sum(p.numel() for p in model.parameters()) / 1e6, ms,
+                     tok_s, tok_s / ref if ref else float("nan"), float("nan"),
+                     torch.cuda.max_memory_allocated() / 2**30, first])
+        print(rows[-1], flush=True)
+    return rows
 
 
 def section_train_profile(device, smoke):
@@ -362,6 +411,23 @@ def section_prefill(device, smoke):
     return "prefill, batch 1, bf16 weights: median ms of 3", ["mixer", "how", "T", "ms", "peak GiB"], rows
 
 
+COPY_BW = 4.25e12  # bytes/s, the H200's measured device-to-device copy bandwidth (KLA.md)
+
+
+def decode_floor_ms(model, batch, context):
+    """The memory-bandwidth floor of one decoding step: every weight read once (bf16; the tied embedding is
+    read whole by the output layer), plus the state: KLA / GDN's float32 states read and written, or
+    attention's bf16 KV cache of `context` tokens read; over COPY_BW."""
+    cfg = model.config
+    weights = 2 * model.get_num_params()
+    if cfg.mixer == "attn":
+        state = batch * cfg.n_layer * 2 * context * cfg.n_embd * 2
+    else:
+        dk, dv = int(cfg.expand_k * cfg.n_embd) // cfg.n_head, int(cfg.expand_v * cfg.n_embd) // cfg.n_head
+        state = 2 * batch * cfg.n_layer * cfg.n_head * dk * dv * 4
+    return 1e3 * (weights + state) / COPY_BW
+
+
 def section_generate(device, smoke):
     """Decoding tokens/s after a prompt (model.stream: chunkwise prefill, then one token at a time from
     the carried state, plain or replayed from a CUDA graph; attention from its KV cache), batch 1 and 64.
@@ -397,17 +463,19 @@ def section_generate(device, smoke):
                         torch.cuda.synchronize()
                 except Exception as err:  # OOM at batch 64 for attention's cache; report and go on
                     print(f"{label} batch {batch} prompt {P}: {type(err).__name__}: {str(err)[:300]}", flush=True)
-                    rows.append([label, batch, P] + [type(err).__name__] * 3)
+                    rows.append([label, batch, P] + [type(err).__name__] * 5)
                     stream = None
                     continue
                 dt = time.perf_counter() - t0
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-                rows.append([label, batch, P, batch * n_new / dt, 1e3 * dt / n_new, mem])
+                floor = decode_floor_ms(model, batch, P + n_new // 2)
+                rows.append([label, batch, P, batch * n_new / dt, 1e3 * dt / n_new, floor, floor / (1e3 * dt / n_new),
+                             mem])
                 print(rows[-1], flush=True)
         model_module.SDPA_BACKENDS = saved
         del model
     return f"decoding {n_new} tokens after the prompt, bf16 weights", \
-        ["mixer", "batch", "prompt", "tokens/s", "ms / step", "peak GiB"], rows
+        ["mixer", "batch", "prompt", "tokens/s", "ms / step", "floor ms", "of floor", "peak GiB"], rows
 
 
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,

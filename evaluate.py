@@ -49,11 +49,11 @@ def fail(msg):
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
+    model = GPT.from_checkpoint(checkpoint).to(device).eval()
 except ValueError as err:
-    fail(str(err))
+    fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))
 device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-model = GPT.from_checkpoint(checkpoint).to(device).eval()
 model.set_backend(device_type)
 meta, config = checkpoint["meta"], checkpoint["config"]
 block_size = checkpoint["model_args"]["block_size"]

@@ -708,10 +708,11 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     return o, ht
 
 
-def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True):
+def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out_state=None):
     """One decoding step for a batch: q, k (B, 1, H, K), v (B, 1, H, V), g, eta (B, 1, H), state
-    (B, H, K, V) float32. Returns (o (B, 1, H, V), new state). No host synchronisation: capturable
-    in a CUDA graph. Not differentiable."""
+    (B, H, K, V) float32. Returns (o (B, 1, H, V), new state). out_state: a contiguous float32 (B, H, K, V)
+    tensor to write the new state into, which may be state itself (each program reads its block of the
+    state before it writes it). No host synchronisation: capturable in a CUDA graph. Not differentiable."""
     _check(q, k, v, g, eta, state, step=True)
     q, k, v = _common_dtype(q, k, v)
     B, _, H, K = q.shape
@@ -720,7 +721,13 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True):
     q, k, v, g, eta = (x.contiguous() for x in (q, k, v, g, eta))
     state = state.contiguous()
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
-    new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    if out_state is None:
+        new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    elif out_state.shape != (B, H, K, V) or out_state.dtype != torch.float32 or not out_state.is_contiguous():
+        raise ValueError(f"out_state must be a contiguous float32 tensor of shape {(B, H, K, V)}, got "
+                         f"{out_state.dtype} {tuple(out_state.shape)}{'' if out_state.is_contiguous() else ' (strided)'}")
+    else:
+        new_state = out_state
     BK = _block_k(K)
     BV = min(32, max(16, triton.next_power_of_2(V)))
     _step_kernel[(triton.cdiv(V, BV), B * H)](q, k, v, g, eta, state, o, new_state, float(scale), float(eps),

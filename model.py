@@ -156,7 +156,8 @@ except ImportError as err:
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
                      output_final_state=False, kaczmarz=True, chunk_size=64):
     """One entry point for the mixer: backend 'triton', 'chunkwise', 'recurrent', or 'auto' (Triton for
-    CUDA tensors when it imports). A single token with a carried state (decoding) takes the O(1) step."""
+    CUDA tensors when it imports). A single token with a carried state (decoding) takes the O(1) step; on the
+    Triton path, without autograd, that step writes the new state into initial_state (and returns it)."""
     if backend == "auto":
         backend = "triton" if q.is_cuda and _kernel is not None else "chunkwise"
     kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz)
@@ -169,8 +170,11 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
 
 @torch.compiler.disable  # torch.compile fuses the layer around the kernel; the kernel runs as it is
 def _triton_attention(q, k, v, g, eta, *, eps, initial_state, output_final_state, kaczmarz):
-    if q.shape[1] == 1 and initial_state is not None:
-        return _kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz)
+    if q.shape[1] == 1 and initial_state is not None:  # decoding: the state is updated in place when it can be
+        inplace = initial_state.is_contiguous() and initial_state.dtype == torch.float32 \
+            and not torch.is_grad_enabled()
+        return _kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz,
+                                out_state=initial_state if inplace else None)
     return _kernel.kla_chunk(q, k, v, g, eta, eps=eps, initial_state=initial_state,
                              output_final_state=output_final_state, kaczmarz=kaczmarz)
 
@@ -267,19 +271,16 @@ class DeltaMixer(nn.Module):
         self.n_head, self.kaczmarz, self.eps = H, config.mixer == "kla", config.kla_eps
         self.chunk_size, self.backend = config.chunk_size, config.backend
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
-        self.q_proj = nn.Linear(d, H * self.dk, bias=False)
-        self.k_proj = nn.Linear(d, H * self.dk, bias=False)
-        self.v_proj = nn.Linear(d, H * self.dv, bias=False)
-        self.q_conv = ShortConv(H * self.dk, config.conv_size)
-        self.k_conv = ShortConv(H * self.dk, config.conv_size)
-        self.v_conv = ShortConv(H * self.dv, config.conv_size)
-        self.b_proj = nn.Linear(d, H, bias=True)   # eta = sigmoid(b_proj(x))
-        self.a_proj = nn.Linear(d, H, bias=False)  # decay input
-        # Mamba2 decay: g = -A softplus(a_proj(x) + dt_bias), A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1]
+        # one input projection for q, k, v, the output gate, eta and the decay (one matmul, one GEMV when
+        # decoding), and one depthwise convolution over q, k, v together (depthwise: the same as three)
+        self.split = [2 * H * self.dk + H * self.dv, H * self.dv, H, H]  # q k v | gate | eta | decay
+        self.in_proj = nn.Linear(d, sum(self.split), bias=False)
+        self.conv = ShortConv(self.split[0], config.conv_size)
+        self.eta_bias = nn.Parameter(torch.zeros(H))  # eta = sigmoid(x W_eta + eta_bias)
+        # Mamba2 decay: g = -A softplus(x W_a + dt_bias), A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1]
         self.A_log = nn.Parameter(torch.empty(H).uniform_(0, 16).log())
         dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        self.g_proj = nn.Linear(d, H * self.dv, bias=False)
         self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
 
@@ -287,21 +288,21 @@ class DeltaMixer(nn.Module):
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
-        q, st["q_conv"] = self.q_conv(self.q_proj(x), st.get("q_conv"))
-        k, st["k_conv"] = self.k_conv(self.k_proj(x), st.get("k_conv"))
-        v, st["v_conv"] = self.v_conv(self.v_proj(x), st.get("v_conv"))
+        qkv, gate, b, a = self.in_proj(x).split(self.split, -1)
+        qkv, st["conv"] = self.conv(qkv, st.get("conv"))
+        q, k, v = qkv.split([H * dk, H * dk, H * dv], -1)
         # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
-        q = F.normalize(q.view(B, T, H, dk), dim=-1).to(v.dtype)
-        k = k.view(B, T, H, dk)  # KLA: raw keys, that is the point
+        q = F.normalize(q.reshape(B, T, H, dk), dim=-1).to(v.dtype)
+        k = k.reshape(B, T, H, dk)  # KLA: raw keys, that is the point
         if not self.kaczmarz:
             k = F.normalize(k, dim=-1).to(v.dtype)
-        v = v.view(B, T, H, dv)
-        eta = torch.sigmoid(self.b_proj(x).float())  # (B, T, H)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        v = v.reshape(B, T, H, dv)
+        eta = torch.sigmoid(b.float() + self.eta_bias)  # (B, T, H)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o, st["state"] = linear_attention(q, k, v, g, eta, backend=self.backend, eps=self.eps,
                                           initial_state=st.get("state"), output_final_state=cache is not None,
                                           kaczmarz=self.kaczmarz, chunk_size=self.chunk_size)
-        o = self.o_norm(o.to(x.dtype)) * F.silu(self.g_proj(x).view(B, T, H, dv))
+        o = self.o_norm(o.to(x.dtype)) * F.silu(gate.reshape(B, T, H, dv))
         return self.o_proj(o.reshape(B, T, H * dv))
 
 
@@ -458,7 +459,12 @@ class GPT(nn.Module):
         change the weights, such as backend. (Weights of a torch.compile'd model, saved by other code, have
         their keys under '_orig_mod.'.)"""
         model = cls(GPTConfig(**{**checkpoint["model_args"], **overrides}))
-        model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
+        state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
+        missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
+        if missing or unexpected:  # e.g. a checkpoint of an older model.py (separate q / k / v projections)
+            raise ValueError(f"checkpoint does not match this model.py: missing {sorted(missing)[:4]}, unexpected "
+                             f"{sorted(unexpected)[:4]}; it was written by a different version of the model")
+        model.load_state_dict(state)
         return model
 
     @torch.no_grad()

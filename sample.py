@@ -54,9 +54,9 @@ ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
+    model = GPT.from_checkpoint(checkpoint)
 except ValueError as err:
-    fail(str(err))
-model = GPT.from_checkpoint(checkpoint)
+    fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))
 model.eval()
 model.to(device)
 use_graph = cuda_graph and device_type == "cuda" and model.config.mixer != "attn"

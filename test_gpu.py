@@ -95,6 +95,9 @@ def check_step(B, H, K, V, kaczmarz, knorm, device, gen):
         o_ref2, s_ref2 = model.kla_recurrent(*(x.double() for x in (q2, k2, v2, g2, eta2)),
                                              initial_state=s2.double(), output_final_state=True, kaczmarz=kaczmarz)
         errs["o_graph"], errs["ht_graph"] = rel(o_g, o_ref2), rel(s_g, s_ref2)
+    s_in = s0.clone()  # in place, as the model decodes: the new state over the old
+    o_i, _ = kernel.kla_step(q, k, v, g, eta, s_in, kaczmarz=kaczmarz, out_state=s_in)
+    errs["o_inplace"], errs["ht_inplace"] = rel(o_i, o_ref), rel(s_in, s_ref)
     return errs, bool(torch.isfinite(o).all() and torch.isfinite(s1).all())
 
 
@@ -116,6 +119,36 @@ def check_large(device, gen):
         errs[name] = rel(a.grad[:, :, -1:], b.grad)
     finite = bool(torch.isfinite(o_big).all()) and all(bool(torch.isfinite(x.grad).all()) for x in big)
     return errs, finite
+
+
+def check_model_decode(device, compiled):
+    """The whole model (KLA, float32, 2 layers) decoding greedily on the Triton path, replayed from a CUDA
+    graph (and torch.compile'd): its logits at every new token against one full forward over prompt +
+    new tokens on the float64 chunkwise reference path; the tokens against plain step-by-step decoding."""
+    torch.manual_seed(0)
+    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla")
+    m = model.GPT(cfg).to(device).eval()
+    m.set_backend(device)
+    ref = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "chunkwise"})).to(device).double().eval()
+    ref.load_state_dict(m.state_dict())
+    if compiled:
+        m.compile(dynamic=True)
+    prompt = torch.randint(512, (2, 100), device=device)
+    graph = device == "cuda"
+    toks = torch.cat(list(m.stream(prompt, 24, temperature=0, cuda_graph=graph, prefill_chunk=64)), 1)
+    plain = torch.cat(list(m.stream(prompt, 24, temperature=0, cuda_graph=False, prefill_chunk=64)), 1)
+    full = torch.cat([prompt, toks], 1)
+    with torch.no_grad():  # the reference's logits at the positions that predicted each new token
+        x = ref.wte(full)
+        for block in ref.blocks:
+            x = block(x)
+        want = ref.lm_head(ref.norm_f(x))[:, prompt.shape[1] - 1:-1]
+        cache = m.new_cache()  # the model's own: prefill, then its decode step (graph or not), token by token
+        got = [m.prefill(prompt, cache, 64)]
+        step = m.decode_step(cache, 2, cuda_graph=graph)
+        for i in range(toks.shape[1] - 1):
+            got.append(step(toks[:, i:i + 1]).clone())
+    return {"logits": rel(torch.cat(got, 1), want), "tokens_vs_plain": float((toks != plain).float().mean())}
 
 
 def main():
@@ -196,6 +229,16 @@ def main():
         failures += not ok
         lines.append(f"step B={B} kaczmarz={kacz}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
                      + f" {'ok' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
+    lines += ["", "the whole model decoding (KLA, float32, 2 layers, batch 2, 100-token prompt, 24 greedy tokens)"
+              " against the float64 chunkwise path's full forward; and the share of tokens that differ from plain"
+              " step-by-step decoding:", ""]
+    for compiled in ((False,) if smoke else (False, True)):
+        errs = check_model_decode(device, compiled)
+        ok = errs["logits"] < TOL[torch.float32] and errs["tokens_vs_plain"] == 0
+        failures += not ok
+        lines.append(f"{'CUDA graph' if device == 'cuda' else 'in-place step'}{', compiled' if compiled else ''}: "
+                     f"logits {errs['logits']:.1e}, tokens differing {errs['tokens_vs_plain']:.2f} {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
     import triton

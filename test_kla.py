@@ -323,7 +323,7 @@ def test_generation_matches_full_forward(mixer):
     assert rel_err(stepped, full[:, 19:]) < 1e-5
     if mixer != "attn":  # O(1) decoding: the carried state does not grow with the context
         assert cache[0]["state"].shape == (3, 2, m.blocks[0].mixer.dk, m.blocks[0].mixer.dv)
-        assert cache[0]["k_conv"].shape[1] == m.config.conv_size - 1
+        assert cache[0]["conv"].shape[1] == m.config.conv_size - 1
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
@@ -524,6 +524,11 @@ def test_kernel_step_matches_recurrent(kaczmarz):
                                   output_final_state=True, kaczmarz=kaczmarz)
     assert o.shape == (3, 1, 2, 40) and h1.dtype == torch.float32
     assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
+    state = h0.clone()  # in place: the new state written over the old one
+    o2, h2 = kernel.kla_step(q, k, v, g, eta, state, kaczmarz=kaczmarz, out_state=state)
+    assert h2 is state and torch.equal(state, h1) and torch.equal(o2, o)
+    with pytest.raises(ValueError, match="out_state must be a contiguous float32"):
+        kernel.kla_step(q, k, v, g, eta, h0, out_state=h0.double())
 
 
 def test_kernel_errors_name_the_tensor():
@@ -1043,6 +1048,19 @@ def test_missing_checkpoint(tiny_data, tmp_path):
     assert_clean_error(run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--init_from=resume"),
                        "does not exist")
     assert_clean_error(run("sample.py", f"--out_dir={tmp_path}"), "does not exist")
+
+
+def test_checkpoint_of_another_model_version(trained, tiny_data, tmp_path):
+    """Weights whose names this model.py does not have (e.g. from before the fused input projection): one
+    clear message from train.py, sample.py and evaluate.py."""
+    ckpt = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    ckpt["model"] = {k.replace("in_proj", "q_proj"): v for k, v in ckpt["model"].items()}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--init_from=resume",
+            "--max_iters=9")
+    for p in (p, run("sample.py", f"--out_dir={tmp_path}", "--device=cpu"),
+              run("evaluate.py", f"--out_dir={tmp_path}", "--device=cpu", f"--data_dir={tiny_data}")):
+        assert_clean_error(p, "does not match this model.py", "blocks.0.mixer.in_proj.weight", "ckpt.pt")
 
 
 def test_resume_other_config(trained, tiny_data):

@@ -205,7 +205,10 @@ try:
     gptconf = GPTConfig(**model_args)
 except ValueError as err:
     fail(str(err))
-model = GPT.from_checkpoint(checkpoint, backend=backend) if init_from == "resume" else GPT(gptconf)
+try:
+    model = GPT.from_checkpoint(checkpoint, backend=backend) if init_from == "resume" else GPT(gptconf)
+except ValueError as err:
+    fail(f"{ckpt_path}: {err}")
 model.to(device)
 try:
     backend_used = model.set_backend(device_type)
