@@ -235,8 +235,10 @@ def train_model(mixer, block_size, device, compiled=False, smoke=None):
     model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **cfg)).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
-    if compiled:
-        model.compile(dynamic=True)  # in place: model stays the GPT, with get_num_params and flops_per_token
+    if compiled:  # in place: model stays the GPT, with get_num_params and flops_per_token. Static shapes,
+        # compiled again for each length: torch 2.11's dynamic-shape backward asserted a wrong stride on a
+        # view saved for the backward (notes/h200-session4)
+        model.compile(dynamic=False)
     return model, opt
 
 
@@ -270,7 +272,7 @@ def median_ms(step, device, warmup=2, reps=5):
 
 def section_train(device, smoke):
     """Training throughput (forward, backward, AdamW step; bf16 autocast on CUDA) of each mixer, eager and
-    torch.compile'd (--compile=0,1; compiled with dynamic shapes, once per mixer for all lengths)."""
+    torch.compile'd (--compile=0,1; compiled for each length: 'first step s' is that compilation)."""
     _, shapes = model_configs(smoke)
     peak = 989e12  # H100 / H200 dense bf16
     rows, base = [], {}
@@ -302,7 +304,10 @@ def section_train(device, smoke):
                 print(rows[-1], flush=True)
             del model, opt, step
     if device == "cuda" and ARGS.get("fla_lm", "1") == "1":  # the library users would pick, eager as it ships
-        rows += fla_lm_rows(shapes, base, device)
+        try:
+            rows += fla_lm_rows(shapes, base, device)
+        except Exception as err:  # fla's model failing must not lose the rows above
+            print(f"fla LM: {type(err).__name__}: {str(err)[:300]}", flush=True)
     head = ["mixer", "mode", "T", "batch", "params M", "ms / step", "tokens/s", "vs attn", "MFU", "peak GiB",
             "first step s"]
     return "training step of the whole model, bf16 autocast, median of 5 after 2 warm-up steps", head, rows

@@ -271,11 +271,14 @@ class DeltaMixer(nn.Module):
         self.n_head, self.kaczmarz, self.eps = H, config.mixer == "kla", config.kla_eps
         self.chunk_size, self.backend = config.chunk_size, config.backend
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
-        # one input projection for q, k, v, the output gate, eta and the decay (one matmul, one GEMV when
-        # decoding), and one depthwise convolution over q, k, v together (depthwise: the same as three)
-        self.split = [2 * H * self.dk + H * self.dv, H * self.dv, H, H]  # q k v | gate | eta | decay
+        # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
+        # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
+        # kernel wants them: no copies, nothing saved twice for the backward)
+        self.split = [H * self.dk, H * self.dk, H * self.dv, H * self.dv, H, H]  # q k v gate eta decay
         self.in_proj = nn.Linear(d, sum(self.split), bias=False)
-        self.conv = ShortConv(self.split[0], config.conv_size)
+        self.q_conv = ShortConv(H * self.dk, config.conv_size)
+        self.k_conv = ShortConv(H * self.dk, config.conv_size)
+        self.v_conv = ShortConv(H * self.dv, config.conv_size)
         self.eta_bias = nn.Parameter(torch.zeros(H))  # eta = sigmoid(x W_eta + eta_bias)
         # Mamba2 decay: g = -A softplus(x W_a + dt_bias), A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1]
         self.A_log = nn.Parameter(torch.empty(H).uniform_(0, 16).log())
@@ -288,9 +291,10 @@ class DeltaMixer(nn.Module):
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
-        qkv, gate, b, a = self.in_proj(x).split(self.split, -1)
-        qkv, st["conv"] = self.conv(qkv, st.get("conv"))
-        q, k, v = qkv.split([H * dk, H * dk, H * dv], -1)
+        q, k, v, gate, b, a = self.in_proj(x).split(self.split, -1)
+        q, st["q_conv"] = self.q_conv(q, st.get("q_conv"))
+        k, st["k_conv"] = self.k_conv(k, st.get("k_conv"))
+        v, st["v_conv"] = self.v_conv(v, st.get("v_conv"))
         # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
         q = F.normalize(q.reshape(B, T, H, dk), dim=-1).to(v.dtype)
         k = k.reshape(B, T, H, dk)  # KLA: raw keys, that is the point

@@ -323,7 +323,7 @@ def test_generation_matches_full_forward(mixer):
     assert rel_err(stepped, full[:, 19:]) < 1e-5
     if mixer != "attn":  # O(1) decoding: the carried state does not grow with the context
         assert cache[0]["state"].shape == (3, 2, m.blocks[0].mixer.dk, m.blocks[0].mixer.dv)
-        assert cache[0]["conv"].shape[1] == m.config.conv_size - 1
+        assert cache[0]["k_conv"].shape[1] == m.config.conv_size - 1
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
