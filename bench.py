@@ -8,6 +8,7 @@ Sections (comma-separated; default kernel,decode):
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
+  tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
           (--compile=0,1; --lengths=2048 picks lengths): a training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
@@ -165,33 +166,86 @@ def section_decode(device, smoke):
 def section_tune(device, smoke):
     """Block sizes and warps of kernel.py, one variant at a time (kernel's config functions replaced)."""
     shapes = [(1, 100, 2, 32)] if smoke else [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 8, 64)]
-    saved = kernel._fwd_bv, kernel._nw, kernel._bwd_chunk_config, kernel._bwd_dqk_config
+    saved = kernel._seq_config, kernel._bwd_chunk_config, kernel._bwd_dqk_config
     rows = []
     try:
         for B, T, H, D in shapes:
             for bv in (16, 32, 64):
                 for nw in (4, 8):
-                    kernel._fwd_bv, kernel._nw = (lambda BH, V, fp32=False, bv=bv: bv), (lambda BK, nw=nw: nw)
+                    kernel._seq_config = lambda BH, V, fp32=False, bwd=False, bv=bv, nw=nw: (bv, nw, 2)
                     ms, _ = timed(ours_chunk, inputs(B, T, H, D, device), False, device)
                     rows.append([f"({B}, {T}, {H}, {D})", "fwd", f"BV={bv} warps={nw}", ms])
                     print(rows[-1], flush=True)
-            kernel._fwd_bv, kernel._nw = saved[:2]
+            kernel._seq_config = saved[0]
             for bv in (16, 32, 64):
                 for nw in (4, 8):
                     kernel._bwd_chunk_config = lambda BK, V, fp32=False, bv=bv, nw=nw: (bv, nw)
                     ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
                     rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"cc bwd BV={bv} warps={nw}", ms])
                     print(rows[-1], flush=True)
-            kernel._bwd_chunk_config = saved[2]
+            kernel._bwd_chunk_config = saved[1]
             for bkb, bv in ((64, 16), (64, 32), (128, 16), (128, 32)):
                 kernel._bwd_dqk_config = lambda BK, V, fp32=False, bkb=bkb, bv=bv: (min(BK, bkb), bv, 8)
                 ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
                 rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"dq/dk bwd BKB={bkb} BV={bv} warps=8", ms])
                 print(rows[-1], flush=True)
-            kernel._bwd_dqk_config = saved[3]
+            kernel._bwd_dqk_config = saved[2]
     finally:
-        kernel._fwd_bv, kernel._nw, kernel._bwd_chunk_config, kernel._bwd_dqk_config = saved
+        kernel._seq_config, kernel._bwd_chunk_config, kernel._bwd_dqk_config = saved
     return "kernel.py variants (ms, do_bench median)", ["shape", "pass", "variant", "ms"], rows
+
+
+def section_tune_seq(device, smoke):
+    """The sequential kernels and their helpers, one variant at a time: warps and pipeline stages of
+    _fwd_kernel / _bwd_state_kernel, the output added inside _fwd_kernel or by _fwd_o_kernel (o), the
+    dS recurrence's state-free term from _bwd_pre_kernel (hq), warps of _prep_kernel, the pre-kernels'
+    block. --shapes=1 picks shapes by index."""
+    shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64)]
+    if ARGS.get("shapes") and not smoke:
+        shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
+    names = ("_seq_config", "_fwd_fuse_o", "_bwd_hq", "_prep_warps", "_pre_config")
+    saved = {n: getattr(kernel, n) for n in names}
+    rows = []
+
+    def row(shape, backward, variant, **patch):
+        for n, f in patch.items():
+            setattr(kernel, n, f)
+        try:
+            ms, mem = timed(ours_chunk, inputs(*shape, device, backward), backward, device)
+        except Exception as err:  # a variant that does not compile is a row, not the end of the section
+            ms, mem = type(err).__name__, ""
+        finally:
+            for n in names:
+                setattr(kernel, n, saved[n])
+        rows.append([str(shape), "fwd+bwd" if backward else "fwd", variant, ms, mem])
+        print(rows[-1], flush=True)
+
+    for shape in shapes:
+        BH, V = shape[0] * shape[2], shape[3]
+        bv0, nw0, ns0 = saved["_seq_config"](BH, V)
+        row(shape, False, "default")
+        for fuse in (True, False):
+            for nw in (4, 8):
+                for ns in (1, 2, 3):
+                    row(shape, False, f"fwd BV={bv0} warps={nw} stages={ns} o={'fused' if fuse else 'split'}",
+                        _seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if not bwd else
+                        saved["_seq_config"](BH, V, fp32, bwd),
+                        _fwd_fuse_o=lambda BH, V, save, f=fuse: f)
+        for nw in (1, 2, 4):
+            row(shape, False, f"prep warps={nw}", _prep_warps=lambda BK, fp32=False, nw=nw: nw)
+        for bvp in (32, 64, 128):
+            for nw in (4, 8):
+                row(shape, False, f"pre BV={bvp} warps={nw}", _pre_config=lambda BK, V, fp32=False, c=(bvp, nw): c)
+        row(shape, True, "default")
+        for hq in (False, True):
+            for nw in (4, 8):
+                for ns in (1, 2, 3):
+                    row(shape, True, f"bwd state BV={bv0} warps={nw} stages={ns} hq={hq}",
+                        _seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd else
+                        saved["_seq_config"](BH, V, fp32, bwd),
+                        _bwd_hq=lambda BH, V, h=hq: h)
+    return "kernel.py sequential-kernel variants (ms, do_bench median; peak MiB)", \
+        ["shape", "pass", "variant", "ms", "peak MiB"], rows
 
 
 def section_profile(device, smoke):
@@ -487,6 +541,7 @@ def section_generate(device, smoke):
 
 
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,
+            "tune_seq": section_tune_seq,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
             "generate": section_generate}
 

@@ -176,12 +176,13 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o0, T, H, Tp, scale,
+def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel: everything of a chunk that does not depend on the state entering it.
         W = P Diag(exp b) K,  Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W),  U0 = P V,  O0 = scale (Gamma o QK^T) U0
-    so that the sequential kernel only computes U = U0 - W S, O = O0 + Qe S and the state update."""
+    so that the sequential kernel only computes U = U0 - W S, O = O0 + Qe S and the state update.
+    O0 goes straight into the output o, to which O = O0 + Qe S is then added in place."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -209,22 +210,24 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o0, T, H, Tp, scal
         U0 = tl.dot(P, bv, input_precision=PREC)
         O0 = tl.dot(Aqk, U0.to(dt), input_precision=PREC)
         _st(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U0)
-        _st(o0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, O0 * scale)
+        _st(o + v_off, rt, cv, T, V, H * V, 1, O0 * scale)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(k, bl_ptr, w, qe, u0, o0, h0, o, ht, hs, T, H, Tp,
+def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, T, H, Tp,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
-                DT: tl.constexpr):
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, FUSE_O: tl.constexpr,
+                PREC: tl.constexpr, DT: tl.constexpr):
     """Sequential over chunks, state S (K x BV) in float32 registers:
-        U = U0 - W S,  O = O0 + Qe S,  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U."""
+        U = U0 - W S,  O = O0 + Qe S (o holds O0),  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U.
+    FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
     dt = DT
     r = tl.arange(0, C)
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    o_off = (i_b * T * H + i_h) * V
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         S += _ld(h0 + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
@@ -234,27 +237,48 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, o0, h0, o, ht, hs, T, H, Tp,
         if SAVE_H:
             _st(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, S)
         bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
-        bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bu = _ld(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
-        bo = _ld(o0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
         bk = _ld(k + (i_b * T * H + i_h) * K, rt, ck, T, K, H * K, 1).to(dt)
         bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
         Sb = S.to(dt)
         U = bu - tl.dot(bw, Sb, input_precision=PREC)
-        bo += tl.dot(bqe, Sb, input_precision=PREC)
-        _st(o + (i_b * T * H + i_h) * V, rt, cv, T, V, H * V, 1, bo)
+        if FUSE_O:
+            bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
+            bo = _ld(o + o_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+            bo += tl.dot(bqe, Sb, input_precision=PREC)
+            _st(o + o_off, rt, cv, T, V, H * V, 1, bo)
         S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     if STORE_HT:
         _st(ht + i_bh * K * V, ck, cv, K, V, V, 1, S)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
+def _fwd_o_kernel(qe, hs, o, T, H, Tp,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  PREC: tl.constexpr, DT: tl.constexpr):
+    """Token-parallel O = O0 + Qe S0 with the saved S0 of each chunk (o holds O0), for FUSE_O = False."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    N = tl.cdiv(T, C)
+    rt, ck = i_n * C + tl.arange(0, C), tl.arange(0, BK)
+    o_off = (i_b * T * H + i_h) * V
+    bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(DT)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        S0 = _ld(hs + (i_bh * N + i_n) * K * V, ck, cv, K, V, V, 1).to(DT)
+        bo = _ld(o + o_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+        bo += tl.dot(bqe, S0, input_precision=PREC)
+        _st(o + o_off, rt, cv, T, V, H * V, 1, bo)
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, hq, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr):
+                    HQ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel: dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
-        dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K."""
+        dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K,
+    and with HQ the state-free term of the dS recurrence, Hq = scale (Diag(exp b) Q)^T dO (K x V per chunk)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -274,19 +298,25 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
     P_t = (bar_t * beta[:, None] * gam_t).to(dt)
     Wd = tl.dot(P_t, (bk * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     _st(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Wd)
+    seb = scale * tl.exp2(bl)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
         dU0 = tl.dot(Aqk_t, bdo, input_precision=PREC)
         _st(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, scale * tl.dot(P_t, dU0.to(dt), input_precision=PREC))
+        if HQ:
+            Hq = tl.dot(tl.trans(bq), (bdo * seb[:, None]).to(dt), input_precision=PREC)
+            _st(hq + (i_bh * tl.cdiv(T, C) + i_n) * K * V, ck, cv, K, V, V, 1, Hq)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, hq, dht, dv, dhs, dh0, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, HQ: tl.constexpr, PREC: tl.constexpr,
+                      DT: tl.constexpr):
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
-    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn."""
+    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn; the middle term read from
+    _bwd_pre_kernel's Hq when HQ (fewer bytes per step), else computed here from q and dO."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
@@ -303,15 +333,18 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, sc
         _st(dhs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, dS)
         bwd = _ld(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bdv = _ld(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
-        bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
         bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
         bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
         eb = tl.exp2(bl)
         dVn = bdv + tl.dot(bwd, dS.to(dt), input_precision=PREC)
         _st(dv + v_off, rt, cv, T, V, H * V, 1, dVn)
-        dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
+        if HQ:
+            dS = tl.exp2(blC) * dS + _ld(hq + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1).to(tl.float32)
+        else:
+            bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+            bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+            dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
     if STORE_DH0:
         _st(dh0 + i_bh * K * V, ck, cv, K, V, V, 1, dS)
@@ -555,20 +588,31 @@ def _prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _fwd_bv(BH, V, fp32=False):
-    """Block of value columns for the sequential kernels: 32, or 16 when that leaves SMs idle."""
+def _seq_config(BH, V, fp32=False, bwd=False):
+    """(value columns per program, warps, pipeline stages) of the sequential kernels (_fwd_kernel, and
+    _bwd_state_kernel when bwd): BV 32, or 16 when that leaves SMs idle (measured: `bench.py --section=tune`)."""
     bv = 16 if fp32 or BH * triton.cdiv(V, 32) < 132 else 32
-    return min(bv, max(16, triton.next_power_of_2(V)))
+    return min(bv, max(16, triton.next_power_of_2(V))), 4, 2
+
+
+def _fwd_fuse_o(BH, V, save):
+    """Whether _fwd_kernel adds Qe S0 to the output itself (else _fwd_o_kernel does, from the saved S0)."""
+    return True
+
+
+def _bwd_hq(BH, V):
+    """Whether _bwd_pre_kernel computes the dS recurrence's state-free term for _bwd_state_kernel."""
+    return False
+
+
+def _prep_warps(BK, fp32=False):
+    """Warps of _prep_kernel."""
+    return 2
 
 
 def _dot_dtype(x):
     """Tensor-core operand type: the input's, with float16 widened to bfloat16 (KLA's 1 / ||k||^2 range)."""
     return tl.float32 if x.dtype == torch.float32 else tl.bfloat16
-
-
-def _nw(BK):
-    """Warps of the sequential kernels."""
-    return 4
 
 
 def _pre_config(BK, V, fp32=False):
@@ -618,22 +662,27 @@ class KLAChunkFunction(torch.autograd.Function):
         bl = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
         beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
         ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
+        fp32 = q.dtype == torch.float32
         _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
-                                 PREC=prec, num_warps=2)
+                                 PREC=prec, num_warps=_prep_warps(BK, fp32))
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
         ht = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-        hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save else None
+        fuse_o = _fwd_fuse_o(B * H, V, save)
+        hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
         w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
-        u0, o0 = (torch.empty(B * H, Tp, V, device=dev, dtype=sdt) for _ in range(2))
-        BVP, nwp = _pre_config(BK, V, q.dtype == torch.float32)
-        _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+        u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
+        BVP, nwp = _pre_config(BK, V, fp32)
+        _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
-        BV = _fwd_bv(B * H, V, q.dtype == torch.float32)
+        BV, nw, ns = _seq_config(B * H, V, fp32)
         _fwd_kernel[(triton.cdiv(V, BV), B * H)](
-            k, bl, w, qe, u0, o0, h0, o, ht, hs, T, H, Tp,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state, SAVE_H=save,
-            PREC=prec, DT=dt, num_warps=_nw(BK), num_stages=2)
-        del w, qe, u0, o0
+            k, bl, w, qe, u0, h0, o, ht, hs, T, H, Tp,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
+            SAVE_H=hs is not None, FUSE_O=fuse_o, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
+        if not fuse_o:
+            _fwd_o_kernel[(N, B * H)](qe, hs, o, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, PREC=prec, DT=dt,
+                                      num_warps=nwp)
+        del w, qe, u0
         if save:
             ctx.save_for_backward(q, k, v, bl, beta, ar, hs)
             ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype)
@@ -657,15 +706,18 @@ class KLAChunkFunction(torch.autograd.Function):
         dht = None if dht is None else dht.float().contiguous()
         wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
         dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
-        BVP, nwp = _pre_config(BK, V, q.dtype == torch.float32)
-        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                    BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
-        BV = _fwd_bv(B * H, V, q.dtype == torch.float32)
+        fp32 = q.dtype == torch.float32
+        use_hq = _bwd_hq(B * H, V)
+        hq = torch.empty_like(hs) if use_hq else None
+        BVP, nwp = _pre_config(BK, V, fp32)
+        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, hq, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                    BV=BVP, HQ=use_hq, PREC=prec, DT=dt, num_warps=nwp)
+        BV, nw, ns = _seq_config(B * H, V, fp32, bwd=True)
         _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, DT=dt,
-            num_warps=_nw(BK), num_stages=2)
-        del wd, dv0
+            q, k, do, bl, wd, dv0, hq, dht, dv, dhs, dh0, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, HQ=use_hq, PREC=prec, DT=dt,
+            num_warps=nw, num_stages=ns)
+        del wd, dv0, hq
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)

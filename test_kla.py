@@ -488,6 +488,24 @@ def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
 
 
+@pytest.mark.parametrize("fuse_o,hq", [(False, True), (False, False)])
+def test_kernel_alternative_paths_match_float64(monkeypatch, fuse_o, hq):
+    """The paths the config functions can pick for other shapes (the output added by _fwd_o_kernel from
+    the saved states; the dS recurrence's state-free term from _bwd_pre_kernel): forward, every gradient,
+    and the forward without autograd."""
+    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save: fuse_o)
+    monkeypatch.setattr(kernel, "_bwd_hq", lambda BH, V: hq)
+    inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
+    ref = outputs_and_grads(kla_recurrent, inputs, True)
+    out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
+    for name, a, b in zip(NAMES, out, ref):
+        assert rel_err(a, b) < 1e-4, name
+    with torch.no_grad():
+        o, ht = kernel.kla_chunk(*(x.float() for x in inputs[:5]), initial_state=inputs[5].float(),
+                                 output_final_state=True)
+    assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
+
+
 def test_kernel_edge_values():
     """eps = 0 with zero keys (no write, as the reference), eta at 0 and 1, g = 0: finite and equal to
     the float64 reference, output and every gradient; the decode step too."""
