@@ -199,51 +199,59 @@ def section_tune_seq(device, smoke):
     """The sequential kernels and their helpers, one variant at a time: warps and pipeline stages of
     _fwd_kernel / _bwd_state_kernel, the output added inside _fwd_kernel or by _fwd_o_kernel (o), the
     dS recurrence's state-free term from _bwd_pre_kernel (hq), warps of _prep_kernel, the pre-kernels'
-    block. --shapes=1 picks shapes by index."""
+    block. --shapes=1 picks shapes by index. A variant that faults the GPU (num_stages=1 on the sequential
+    forward did, Triton 3.6) poisons the process: it exits printing RESTART_AT=<next index>, and
+    `--start=<index>` goes on from there in a new process."""
     shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64)]
     if ARGS.get("shapes") and not smoke:
         shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
     names = ("_seq_config", "_fwd_fuse_o", "_bwd_hq", "_prep_warps", "_pre_config")
     saved = {n: getattr(kernel, n) for n in names}
+    variants = []  # (shape, backward, name, patch)
+    for shape in shapes:
+        BH, V = shape[0] * shape[2], shape[3]
+        bv0 = saved["_seq_config"](BH, V)[0]
+        variants.append((shape, False, "default", {}))
+        for fuse in (True, False):
+            for nw in (4, 8):
+                for ns in (2, 3, 4):
+                    variants.append((shape, False, f"fwd BV={bv0} warps={nw} stages={ns} o={'fused' if fuse else 'split'}",
+                                     dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if not bwd
+                                          else saved["_seq_config"](BH, V, fp32, bwd),
+                                          _fwd_fuse_o=lambda BH, V, save, f=fuse: f)))
+        for nw in (1, 4):
+            variants.append((shape, False, f"prep warps={nw}", dict(_prep_warps=lambda BK, fp32=False, nw=nw: nw)))
+        for bvp, nw in ((32, 4), (128, 4), (64, 8)):
+            variants.append((shape, False, f"pre BV={bvp} warps={nw}",
+                             dict(_pre_config=lambda BK, V, fp32=False, c=(bvp, nw): c)))
+        variants.append((shape, True, "default", {}))
+        for hq in (False, True):
+            for nw in (4, 8):
+                for ns in (2, 3, 4):
+                    variants.append((shape, True, f"bwd state BV={bv0} warps={nw} stages={ns} hq={hq}",
+                                     dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd
+                                          else saved["_seq_config"](BH, V, fp32, bwd),
+                                          _bwd_hq=lambda BH, V, h=hq: h)))
     rows = []
-
-    def row(shape, backward, variant, **patch):
+    for i, (shape, backward, name, patch) in enumerate(variants):
+        if i < int(ARGS.get("start", 0)):
+            continue
         for n, f in patch.items():
             setattr(kernel, n, f)
         try:
             ms, mem = timed(ours_chunk, inputs(*shape, device, backward), backward, device)
-        except Exception as err:  # a variant that does not compile is a row, not the end of the section
-            ms, mem = type(err).__name__, ""
+        except Exception as err:
+            rows.append([str(shape), "fwd+bwd" if backward else "fwd", name, type(err).__name__, ""])
+            print(rows[-1], flush=True)
+            if "illegal" in str(err) or type(err).__name__ == "AcceleratorError":
+                print(f"RESTART_AT={i + 1}", flush=True)
+                os._exit(3)
+            continue
         finally:
             for n in names:
                 setattr(kernel, n, saved[n])
-        rows.append([str(shape), "fwd+bwd" if backward else "fwd", variant, ms, mem])
+        rows.append([str(shape), "fwd+bwd" if backward else "fwd", name, ms, mem])
         print(rows[-1], flush=True)
-
-    for shape in shapes:
-        BH, V = shape[0] * shape[2], shape[3]
-        bv0, nw0, ns0 = saved["_seq_config"](BH, V)
-        row(shape, False, "default")
-        for fuse in (True, False):
-            for nw in (4, 8):
-                for ns in (1, 2, 3):
-                    row(shape, False, f"fwd BV={bv0} warps={nw} stages={ns} o={'fused' if fuse else 'split'}",
-                        _seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if not bwd else
-                        saved["_seq_config"](BH, V, fp32, bwd),
-                        _fwd_fuse_o=lambda BH, V, save, f=fuse: f)
-        for nw in (1, 2, 4):
-            row(shape, False, f"prep warps={nw}", _prep_warps=lambda BK, fp32=False, nw=nw: nw)
-        for bvp in (32, 64, 128):
-            for nw in (4, 8):
-                row(shape, False, f"pre BV={bvp} warps={nw}", _pre_config=lambda BK, V, fp32=False, c=(bvp, nw): c)
-        row(shape, True, "default")
-        for hq in (False, True):
-            for nw in (4, 8):
-                for ns in (1, 2, 3):
-                    row(shape, True, f"bwd state BV={bv0} warps={nw} stages={ns} hq={hq}",
-                        _seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd else
-                        saved["_seq_config"](BH, V, fp32, bwd),
-                        _bwd_hq=lambda BH, V, h=hq: h)
     return "kernel.py sequential-kernel variants (ms, do_bench median; peak MiB)", \
         ["shape", "pass", "variant", "ms", "peak MiB"], rows
 
