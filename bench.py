@@ -13,7 +13,7 @@ Sections (comma-separated; default kernel,decode):
           (--compile=0,1; --lengths=2048 picks lengths): a training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
           and fla's GatedDeltaNet LM of this width, eager, when flash-linear-attention imports (--fla_lm=0: not).
-  train_profile  the largest GPU kernels of one KLA training step (where the time goes).
+  train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
@@ -424,21 +424,64 @@ def fla_lm_rows(shapes, device):
     return rows
 
 
+def kernel_group(name):
+    """A GPU kernel's name -> what it does, for the training profile."""
+    n = name.lower()
+    if any(k in name for k in ("_prep_kernel", "_fwd_pre_kernel", "_fwd_kernel", "_fwd_o_kernel")):
+        return "kernel.py forward"
+    if "_bwd_" in name and "_kernel" in name:
+        return "kernel.py backward"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention (SDPA)"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
+        return "matmul (cuBLAS)"
+    if n.startswith("triton_") or "triton" in n:
+        return "fused elementwise / reductions (torch.compile)"
+    if "adam" in n or "foreach" in n or "multi_tensor" in n:
+        return "optimizer"
+    return "other"
+
+
 def section_train_profile(device, smoke):
-    """Where a KLA training step spends its GPU time: the 15 largest kernels (torch.profiler)."""
+    """Where a training step at the first length spends its GPU time, per group of kernels and the largest
+    kernels (torch.profiler, kernel events only), for each of --mixers (default kla,attn), compiled unless
+    --compile=0."""
     _, shapes = model_configs(smoke)
     batch, T = shapes[0]
-    step = train_step_fn(*train_model("kla", T, device, smoke=smoke), batch, T, device)
-    step()
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
+    compiled = ARGS.get("compile", "1") == "1" and device == "cuda"
+    rows = []
+    for mixer in ARGS.get("mixers", "kla,attn").split(","):
+        model, opt = train_model(mixer, T, device, compiled, smoke=smoke)
+        step = train_step_fn(model, opt, batch, T, device)
+        for _ in range(2):
+            step()
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
         if device == "cuda":
-            torch.cuda.synchronize()
-    key = "device_time_total" if device == "cuda" else "cpu_time_total"
-    evs = sorted(prof.key_averages(), key=lambda ev: getattr(ev, key, 0) or 0, reverse=True)
-    rows = [[ev.key[:90], ev.count, (getattr(ev, key, 0) or 0) / 1e3] for ev in evs[:15]]
-    return f"one KLA training step at batch {batch}, T {T}: largest kernels", ["kernel / op", "calls", "ms"], rows
+            evs = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
+            key = "device_time_total" if hasattr(evs[0] if evs else None, "device_time_total") else "cuda_time_total"
+        else:
+            evs, key = list(prof.key_averages()), "cpu_time_total"
+        times = [(ev.key, ev.count, (getattr(ev, key, 0) or 0) / 1e3) for ev in evs]
+        total = sum(t for _, _, t in times) or float("nan")
+        groups = {}
+        for name, _, t in times:
+            groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + t
+        rows.append([mixer, "all GPU kernels", sum(c for _, c, _ in times), total, 1.0])
+        for g, t in sorted(groups.items(), key=lambda x: -x[1]):
+            rows.append([mixer, f"group: {g}", "", t, t / total])
+        for name, count, t in sorted(times, key=lambda x: -x[2])[:12]:
+            rows.append([mixer, name[:80], count, t, t / total])
+        for r in rows[-len(groups) - 13:]:
+            print(r, flush=True)
+        del model, opt, step
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return (f"one training step at batch {batch}, T {T}, {'compiled' if compiled else 'eager'}: GPU time by kernel",
+            ["mixer", "kernels", "calls", "ms", "share"], rows)
 
 
 def eval_model(mixer, device, smoke, compiled=False):
