@@ -588,26 +588,41 @@ def _prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _few_programs(BH, V):
+    """True when the sequential kernels at 32 value columns a program would leave SMs of an H100 / H200 idle
+    (short batches of long sequences): they then take 16 columns, 3 pipeline stages, the split output."""
+    return BH * triton.cdiv(V, 32) < 132
+
+
 def _seq_config(BH, V, fp32=False, bwd=False):
     """(value columns per program, warps, pipeline stages) of the sequential kernels (_fwd_kernel, and
-    _bwd_state_kernel when bwd): BV 32, or 16 when that leaves SMs idle (measured: `bench.py --section=tune`)."""
-    bv = 16 if fp32 or BH * triton.cdiv(V, 32) < 132 else 32
-    return min(bv, max(16, triton.next_power_of_2(V))), 4, 2
+    _bwd_state_kernel when bwd). Measured on the H200 (`python bench.py --section=tune_seq`,
+    notes/h200-session5/): at (1, 32768, 16, 128) 3 stages instead of 2 take the forward from 1.80 to
+    1.47 ms (4 stages the same, 8 warps slower) and the forward + backward from 6.21 to 6.00 ms; BV 16
+    against 32 from session 3's tune. The many-program case keeps BV 32, 2 stages (not re-tuned)."""
+    few = fp32 or _few_programs(BH, V)
+    bv = min(16 if few else 32, max(16, triton.next_power_of_2(V)))
+    return bv, 4, 3 if few and not fp32 else 2
 
 
 def _fwd_fuse_o(BH, V, save):
-    """Whether _fwd_kernel adds Qe S0 to the output itself (else _fwd_o_kernel does, from the saved S0)."""
-    return True
+    """Whether _fwd_kernel adds Qe S0 to the output itself, or leaves it to _fwd_o_kernel, which reads the
+    states S0 saved for the backward (fewer bytes a step in the sequential loop). Split when the states
+    are saved anyway and few programs run: (1, 32768, 16, 128) forward 1.47 -> 1.25 ms (3 stages). Fused
+    without autograd, where the split would need the states' memory (+1 GiB at 131072 tokens x 16 heads)."""
+    return not (save and _few_programs(BH, V))
 
 
 def _bwd_hq(BH, V):
-    """Whether _bwd_pre_kernel computes the dS recurrence's state-free term for _bwd_state_kernel."""
+    """Whether _bwd_pre_kernel computes the dS recurrence's state-free term for _bwd_state_kernel: no, it
+    was slower at (1, 32768, 16, 128) (6.24-6.58 ms against 6.00-6.33 forward + backward)."""
     return False
 
 
 def _prep_warps(BK, fp32=False):
-    """Warps of _prep_kernel."""
-    return 2
+    """Warps of _prep_kernel: 1 at K = 128 in bf16 ((1, 32768, 16, 128) forward 1.80 -> 1.67 ms against 2
+    warps, 2.02 with 4), else 2 (not measured)."""
+    return 1 if BK == 128 and not fp32 else 2
 
 
 def _dot_dtype(x):
