@@ -427,12 +427,12 @@ def fla_lm_rows(shapes, device):
 def kernel_group(name):
     """A GPU kernel's name -> what it does, for the training profile."""
     n = name.lower()
-    if any(k in name for k in ("_prep_kernel", "_fwd_pre_kernel", "_fwd_kernel", "_fwd_o_kernel")):
-        return "kernel.py forward"
-    if "_bwd_" in name and "_kernel" in name:
-        return "kernel.py backward"
-    if "flash" in n or "fmha" in n or "attention" in n:
+    if "flash" in n or "fmha" in n or "attention" in n:  # first: flash_fwd_kernel is not one of ours
         return "attention (SDPA)"
+    if name in ("_prep_kernel", "_fwd_pre_kernel", "_fwd_kernel", "_fwd_o_kernel"):
+        return "kernel.py forward"
+    if name.startswith("_bwd_") and name.endswith("_kernel"):
+        return "kernel.py backward"
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
         return "matmul (cuBLAS)"
     if n.startswith("triton_") or "triton" in n:
