@@ -20,12 +20,17 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
                        forward substitution and blockwise merges; Ar stored in bf16 (fp32 for fp32 input).
     _fwd_pre_kernel    grid (chunks, B*H): the state-free parts W = P Diag(exp b) K, U0 = P V,
                        Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W), O0 = scale (Gamma o QK^T) U0.
+                       O0 is written straight into the output.
     _fwd_kernel        grid (V / BV, B*H): walks the chunks in order with S in float32 registers:
                        U = U0 - W S, O = O0 + Qe S, S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U; saves S0
                        of every chunk for the backward when a gradient is needed.
-    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
+    _fwd_o_kernel      grid (chunks, B*H): O = O0 + Qe S0 from the saved states, when _fwd_kernel leaves it
+                       out (few programs and a gradient needed: _fwd_fuse_o).
+    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K
+                       (and, optionally, the dS recurrence's state-free term: _bwd_hq, off).
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
+Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
     _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
                        accumulators dO Vn^T and dU Vn^T, the gate terms of the loop, Uc = Diag(exp(b_C - b)) U.
     _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
