@@ -197,15 +197,14 @@ def section_tune(device, smoke):
 
 def section_tune_seq(device, smoke):
     """The sequential kernels and their helpers, one variant at a time: warps and pipeline stages of
-    _fwd_kernel / _bwd_state_kernel, the output added inside _fwd_kernel or by _fwd_o_kernel (o), the
-    dS recurrence's state-free term from _bwd_pre_kernel (hq), warps of _prep_kernel, the pre-kernels'
-    block. --shapes=1 picks shapes by index. A variant that faults the GPU (num_stages=1 on the sequential
+    _fwd_kernel / _bwd_state_kernel, the output added inside _fwd_kernel or by _fwd_o_kernel (o), warps of
+    _prep_kernel, the pre-kernels' block. --shapes=1 picks shapes by index. A variant that faults the GPU (num_stages=1 on the sequential
     forward did, Triton 3.6) poisons the process: it exits printing RESTART_AT=<next index>, and
     `--start=<index>` goes on from there in a new process."""
     shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64)]
     if ARGS.get("shapes") and not smoke:
         shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
-    names = ("_seq_config", "_fwd_fuse_o", "_bwd_hq", "_prep_warps", "_pre_config")
+    names = ("_seq_config", "_fwd_fuse_o", "_prep_warps", "_pre_config")
     saved = {n: getattr(kernel, n) for n in names}
     variants = []  # (shape, backward, name, patch)
     for shape in shapes:
@@ -225,13 +224,11 @@ def section_tune_seq(device, smoke):
             variants.append((shape, False, f"pre BV={bvp} warps={nw}",
                              dict(_pre_config=lambda BK, V, fp32=False, c=(bvp, nw): c)))
         variants.append((shape, True, "default", {}))
-        for hq in (False, True):
-            for nw in (4, 8):
-                for ns in (2, 3, 4):
-                    variants.append((shape, True, f"bwd state BV={bv0} warps={nw} stages={ns} hq={hq}",
-                                     dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd
-                                          else saved["_seq_config"](BH, V, fp32, bwd),
-                                          _bwd_hq=lambda BH, V, h=hq: h)))
+        for nw in (4, 8):
+            for ns in (2, 3, 4):
+                variants.append((shape, True, f"bwd state BV={bv0} warps={nw} stages={ns}",
+                                 dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd
+                                      else saved["_seq_config"](BH, V, fp32, bwd))))
     rows = []
     for i, (shape, backward, name, patch) in enumerate(variants):
         if i < int(ARGS.get("start", 0)):

@@ -26,8 +26,7 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
                        of every chunk for the backward when a gradient is needed.
     _fwd_o_kernel      grid (chunks, B*H): O = O0 + Qe S0 from the saved states, when _fwd_kernel leaves it
                        out (few programs and a gradient needed: _fwd_fuse_o).
-    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K
-                       (and, optionally, the dS recurrence's state-free term: _bwd_hq, off).
+    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
 Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
@@ -278,12 +277,11 @@ def _fwd_o_kernel(qe, hs, o, T, H, Tp,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, hq, T, H, Tp, scale,
+def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    HQ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                    PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel: dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
-        dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K,
-    and with HQ the state-free term of the dS recurrence, Hq = scale (Diag(exp b) Q)^T dO (K x V per chunk)."""
+        dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -303,25 +301,19 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, hq, T, H, Tp, scale
     P_t = (bar_t * beta[:, None] * gam_t).to(dt)
     Wd = tl.dot(P_t, (bk * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     _st(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Wd)
-    seb = scale * tl.exp2(bl)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
         dU0 = tl.dot(Aqk_t, bdo, input_precision=PREC)
         _st(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, scale * tl.dot(P_t, dU0.to(dt), input_precision=PREC))
-        if HQ:
-            Hq = tl.dot(tl.trans(bq), (bdo * seb[:, None]).to(dt), input_precision=PREC)
-            _st(hq + (i_bh * tl.cdiv(T, C) + i_n) * K * V, ck, cv, K, V, V, 1, Hq)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, hq, dht, dv, dhs, dh0, T, H, Tp, scale,
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, HQ: tl.constexpr, PREC: tl.constexpr,
-                      DT: tl.constexpr):
+                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
-    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn; the middle term read from
-    _bwd_pre_kernel's Hq when HQ (fewer bytes per step), else computed here from q and dO."""
+    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
@@ -344,12 +336,9 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, hq, dht, dv, dhs, dh0, T, H, Tp
         eb = tl.exp2(bl)
         dVn = bdv + tl.dot(bwd, dS.to(dt), input_precision=PREC)
         _st(dv + v_off, rt, cv, T, V, H * V, 1, dVn)
-        if HQ:
-            dS = tl.exp2(blC) * dS + _ld(hq + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1).to(tl.float32)
-        else:
-            bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-            bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
-            dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
+        bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
     if STORE_DH0:
         _st(dh0 + i_bh * K * V, ck, cv, K, V, V, 1, dS)
@@ -618,12 +607,6 @@ def _fwd_fuse_o(BH, V, save):
     return not (save and _few_programs(BH, V))
 
 
-def _bwd_hq(BH, V):
-    """Whether _bwd_pre_kernel computes the dS recurrence's state-free term for _bwd_state_kernel: no, it
-    was slower at (1, 32768, 16, 128) (6.24-6.58 ms against 6.00-6.33 forward + backward)."""
-    return False
-
-
 def _prep_warps(BK, fp32=False):
     """Warps of _prep_kernel: 1 at K = 128 in bf16 ((1, 32768, 16, 128) forward 1.80 -> 1.67 ms against 2
     warps, 2.02 with 4), else 2 (not measured)."""
@@ -727,17 +710,15 @@ class KLAChunkFunction(torch.autograd.Function):
         wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
         dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
         fp32 = q.dtype == torch.float32
-        use_hq = _bwd_hq(B * H, V)
-        hq = torch.empty_like(hs) if use_hq else None
         BVP, nwp = _pre_config(BK, V, fp32)
-        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, hq, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                    BV=BVP, HQ=use_hq, PREC=prec, DT=dt, num_warps=nwp)
+        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                    BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(B * H, V, fp32, bwd=True)
         _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, do, bl, wd, dv0, hq, dht, dv, dhs, dh0, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, HQ=use_hq, PREC=prec, DT=dt,
+            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, DT=dt,
             num_warps=nw, num_stages=ns)
-        del wd, dv0, hq
+        del wd, dv0
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
         deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)

@@ -2,8 +2,8 @@
 GPU correctness of kernel.py against the float64 reference (model.kla_chunkwise, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
     python test_gpu.py [--out=DIR] [--cases=0,3] [--paths=default,alt] [--large] [--smoke]
---paths=alt runs the cases with kernel.py's alternative paths forced (the output added by _fwd_o_kernel,
-the dS recurrence's state-free term from _bwd_pre_kernel), which its config functions may pick for some shapes.
+--paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
+the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
 (q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
@@ -199,18 +199,18 @@ def main():
              "|" + "---|" * (11 + len(cols))]
     failures = 0
     paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
-    config = kernel._fwd_fuse_o, kernel._bwd_hq
+    config = kernel._fwd_fuse_o
     for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
         t = time.time()
         if path == "alt":
-            kernel._fwd_fuse_o, kernel._bwd_hq = (lambda BH, V, save: False), (lambda BH, V: True)
+            kernel._fwd_fuse_o = lambda BH, V, save, default=config: not default(BH, V, save)
         try:
             errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
         except Exception as err:  # report and go on with the other cases
             print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
             errs, finite = {}, False
         finally:
-            kernel._fwd_fuse_o, kernel._bwd_hq = config
+            kernel._fwd_fuse_o = config
         opts = dict(opts, path=path) if path != "default" else opts
         tol = TOL[dtype]
         ok = finite and all(e < tol for e in errs.values())
