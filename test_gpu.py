@@ -124,12 +124,14 @@ def check_large(device, gen):
     return errs, finite
 
 
-def check_model_decode(device, compiled):
-    """The whole model (KLA, float32, 2 layers) decoding greedily on the Triton path, replayed from a CUDA
+def check_model_decode(device, compiled, fused=True):
+    """The whole model (KLA, float32, 2 layers) decoding greedily on the Triton path (the fused decoding
+    kernel, or with fused=False the layer's PyTorch code around the step kernel), replayed from a CUDA
     graph (and torch.compile'd): its logits at every new token against one full forward over prompt +
     new tokens on the float64 chunkwise reference path; the tokens against plain step-by-step decoding."""
     torch.manual_seed(0)
-    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla")
+    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla",
+                          decode_fused=fused)
     m = model.GPT(cfg).to(device).eval()
     m.set_backend(device)
     ref = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "chunkwise"})).to(device).double().eval()
@@ -240,11 +242,12 @@ def main():
     lines += ["", "the whole model decoding (KLA, float32, 2 layers, batch 2, 100-token prompt, 24 greedy tokens)"
               " against the float64 chunkwise path's full forward; and the share of tokens that differ from plain"
               " step-by-step decoding:", ""]
-    for compiled in ((False,) if smoke else (False, True)):
-        errs = check_model_decode(device, compiled)
+    for fused, compiled in (((True, False),) if smoke else ((True, False), (False, False), (True, True))):
+        errs = check_model_decode(device, compiled, fused)
         ok = errs["logits"] < TOL[torch.float32] and errs["tokens_vs_plain"] == 0
         failures += not ok
-        lines.append(f"{'CUDA graph' if device == 'cuda' else 'in-place step'}{', compiled' if compiled else ''}: "
+        lines.append(f"{'CUDA graph' if device == 'cuda' else 'in-place step'}{', compiled' if compiled else ''}"
+                     f"{', fused decoding kernel' if fused else ', layer code + step kernel'}: "
                      f"logits {errs['logits']:.1e}, tokens differing {errs['tokens_vs_plain']:.2f} {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
