@@ -483,7 +483,8 @@ def section_train_profile(device, smoke):
 
 def eval_model(mixer, device, smoke, compiled=False):
     cfg, _ = model_configs(smoke)
-    model = GPT(GPTConfig(mixer=mixer, **cfg)).to(device).eval()
+    # --decode_fused=0: decode KLA / GDN through the layer's PyTorch code and the step kernel instead
+    model = GPT(GPTConfig(mixer=mixer, decode_fused=ARGS.get("decode_fused", "1") == "1", **cfg)).to(device).eval()
     model.set_backend(device)
     if device == "cuda":
         model.bfloat16()

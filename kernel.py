@@ -547,6 +547,82 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
     tl.store(s_out + offs, S, mask=ms)
 
 
+@triton.jit
+def _conv_step(x_new, conv, w, b_off, C, ch, mc, W: tl.constexpr, BW: tl.constexpr):
+    """One token of a depthwise causal convolution + SiLU on channels ch of a (B, W - 1, C) buffer holding
+    the last W - 1 inputs; the buffer is shifted by one row and x_new appended, in place."""
+    rw = tl.arange(0, BW)
+    inside = (rw[:, None] < W - 1) & mc[None, :]
+    win = tl.load(conv + b_off + rw[:, None] * C + ch[None, :], mask=inside, other=0.).to(tl.float32)
+    win = tl.where(rw[:, None] == W - 1, x_new[None, :], win)  # row W - 1: the new input
+    wt = tl.load(w + ch[None, :] * W + rw[:, None], mask=(rw[:, None] < W) & mc[None, :], other=0.).to(tl.float32)
+    y = tl.sum(win * wt, 0)
+    nxt = tl.load(conv + b_off + (rw[:, None] + 1) * C + ch[None, :], mask=(rw[:, None] < W - 2) & mc[None, :],
+                  other=0.)
+    nxt = tl.where(rw[:, None] == W - 2, x_new[None, :].to(nxt.dtype), nxt)
+    tl.debug_barrier()  # every thread has read the window before any row is overwritten
+    tl.store(conv + b_off + rw[:, None] * C + ch[None, :], nxt, mask=inside)
+    return y * tl.sigmoid(y)
+
+
+@triton.jit
+def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias, norm_w, state, out,
+                         stride_xb, scale, eps, norm_eps,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, BW: tl.constexpr, KACZ: tl.constexpr):
+    """One decoding token through the mixer between its two projections, for one (sequence, head): the
+    short convolutions of q, k, v (their buffers shifted in place), q (and for GDN k) normalised, eta and the
+    decay from their projections, beta, the delta-rule step on the state (in place), and the output's
+    RMSNorm times SiLU(gate). xp is the input projection's output [q | k | v | gate | eta | decay]."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    x_row = xp + i_b * stride_xb
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    ch_k = i_h * K + rk
+    q = _conv_step(tl.load(x_row + ch_k, mask=mk, other=0.).to(tl.float32), cq, wq, i_b * (W - 1) * H * K,
+                   H * K, ch_k, mk, W, BW)
+    k = _conv_step(tl.load(x_row + H * K + ch_k, mask=mk, other=0.).to(tl.float32), ckk, wk,
+                   i_b * (W - 1) * H * K, H * K, ch_k, mk, W, BW)
+    q = tl.where(mk, q, 0.) / tl.maximum(tl.sqrt(tl.sum(tl.where(mk, q * q, 0.), 0)), 1e-12)
+    k = tl.where(mk, k, 0.)
+    if not KACZ:
+        k = k / tl.maximum(tl.sqrt(tl.sum(k * k, 0)), 1e-12)
+    eta = tl.sigmoid(tl.load(x_row + 2 * H * K + 2 * H * V + i_h).to(tl.float32) + tl.load(eta_bias + i_h))
+    a = tl.load(x_row + 2 * H * K + 2 * H * V + H + i_h).to(tl.float32) + tl.load(dt_bias + i_h)
+    g = -tl.exp(tl.load(a_log + i_h).to(tl.float32)) * tl.where(a > 20., a, tl.log(1. + tl.exp(a)))  # softplus
+    beta = eta
+    if KACZ:
+        r2 = tl.sum(k * k, 0) + eps
+        beta = tl.where(r2 > 0, eta / r2, 0.)
+    decay = tl.exp(g)
+    sumsq = 0.
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        mv = rv < V
+        ch_v = i_h * V + rv
+        v = _conv_step(tl.load(x_row + 2 * H * K + ch_v, mask=mv, other=0.).to(tl.float32), cvv, wv,
+                       i_b * (W - 1) * H * V, H * V, ch_v, mv, W, BW)
+        offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
+        ms = mk[:, None] & mv[None, :]
+        S = tl.load(state + offs, mask=ms, other=0.) * decay
+        e = tl.where(mv, v, 0.) - tl.sum(S * k[:, None], 0)
+        S += (beta * k)[:, None] * e[None, :]
+        tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
+        o = tl.sum(S * q[:, None], 0) * scale
+        sumsq += tl.sum(tl.where(mv, o * o, 0.), 0)
+        tl.store(out + i_bh * V + rv, o.to(out.dtype.element_ty), mask=mv)
+    rstd = 1. / tl.sqrt(sumsq / V + norm_eps)
+    tl.debug_barrier()  # the unnormalised output is read back by other threads
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        mv = rv < V
+        o = tl.load(out + i_bh * V + rv, mask=mv, other=0.).to(tl.float32)
+        gate = tl.load(x_row + 2 * H * K + H * V + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
+        y = o * rstd * tl.load(norm_w + rv, mask=mv, other=0.).to(tl.float32) * gate * tl.sigmoid(gate)
+        tl.store(out + i_bh * V + rv, y.to(out.dtype.element_ty), mask=mv)
+
+
 # -----------------------------------------------------------------------------
 # launch
 
@@ -786,3 +862,38 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out
     _step_kernel[(triton.cdiv(V, BV), B * H)](q, k, v, g, eta, state, o, new_state, float(scale), float(eps),
                                               K=K, V=V, BK=BK, BV=BV, KACZ=bool(kaczmarz), num_warps=4)
     return o, new_state
+
+
+def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias, norm_weight, state, *,
+                     n_head, eps=1e-6, norm_eps=1e-6, scale=None, kaczmarz=True):
+    """One decoding token through the KLA (or GDN) mixer between its input and output projections, as one
+    kernel: xp (B, 2 H K + 2 H V + 2 H) the input projection's output [q | k | v | gate | eta | decay]; the
+    short convolutions' buffers conv_q, conv_k (B, W - 1, H K), conv_v (B, W - 1, H V) (the last W - 1 inputs,
+    in xp's dtype) and their weights (channels, W); A_log, dt_bias, eta_bias (H,); norm_weight (V,) of the
+    output RMSNorm; state (B, H, K, V) float32. The buffers and the state are updated in place; returns the
+    gated, normalised output (B, H V) in xp's dtype. model.DeltaMixer computes the same in PyTorch."""
+    B, H = xp.shape[0], n_head
+    (HK, W), HV = w_q.shape, w_v.shape[0]  # the layer's sizes, from its convolution weights
+    K, V = HK // H, HV // H
+    if HK % H or HV % H or W < 2 or w_k.shape != (HK, W) or w_v.shape != (HV, W):
+        raise ValueError(f"convolution weights must be (H K, W), (H K, W), (H V, W) with W >= 2 and H = {H}, got "
+                         f"{tuple(w_q.shape)}, {tuple(w_k.shape)}, {tuple(w_v.shape)}")
+    if xp.dim() != 2 or xp.shape[1] != 2 * H * K + 2 * H * V + 2 * H or xp.stride(1) != 1:
+        raise ValueError(f"xp must be (B, 2 H K + 2 H V + 2 H) = ({B}, {2 * H * K + 2 * H * V + 2 * H}) with unit "
+                         f"column stride, got {tuple(xp.shape)} strides {xp.stride()}")
+    for name, buf, C in (("conv_q", conv_q, H * K), ("conv_k", conv_k, H * K), ("conv_v", conv_v, H * V)):
+        if buf.shape != (B, W - 1, C) or not buf.is_contiguous() or buf.dtype != xp.dtype:
+            raise ValueError(f"{name} must be a contiguous {xp.dtype} tensor of shape {(B, W - 1, C)}, got "
+                             f"{buf.dtype} {tuple(buf.shape)}{'' if buf.is_contiguous() else ' (strided)'}")
+    if state.shape != (B, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 tensor of shape {(B, H, K, V)}, got "
+                         f"{state.dtype} {tuple(state.shape)}")
+    out = torch.empty(B, H * V, device=xp.device, dtype=xp.dtype)
+    scale = K ** -0.5 if scale is None else scale
+    _decode_mixer_kernel[(B * H,)](
+        xp, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous(), A_log.float().contiguous(),
+        dt_bias.float().contiguous(), eta_bias.float().contiguous(), norm_weight.contiguous(), state, out,
+        xp.stride(0), float(scale), float(eps), float(norm_eps),
+        H=H, K=K, V=V, W=W, BK=_block_k(K), BV=min(64, max(16, triton.next_power_of_2(V))),
+        BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz), num_warps=4)
+    return out

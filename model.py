@@ -225,6 +225,7 @@ class GPTConfig:
     kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
     chunk_size: int = 64
     backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
+    decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -269,7 +270,7 @@ class DeltaMixer(nn.Module):
         super().__init__()
         H, d = config.n_head, config.n_embd
         self.n_head, self.kaczmarz, self.eps = H, config.mixer == "kla", config.kla_eps
-        self.chunk_size, self.backend = config.chunk_size, config.backend
+        self.chunk_size, self.backend, self.decode_fused = config.chunk_size, config.backend, config.decode_fused
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
         # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
         # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
@@ -291,10 +292,14 @@ class DeltaMixer(nn.Module):
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
+        if T == 1 and "state" in st and self.decode_fused and self.backend == "triton" and not torch.is_grad_enabled():
+            return self.o_proj(self._decode_fused(self.in_proj(x), st).view(B, 1, H * dv))
         q, k, v, gate, b, a = self.in_proj(x).split(self.split, -1)
         q, st["q_conv"] = self.q_conv(q, st.get("q_conv"))
         k, st["k_conv"] = self.k_conv(k, st.get("k_conv"))
         v, st["v_conv"] = self.v_conv(v, st.get("v_conv"))
+        if cache is not None:  # contiguous buffers, which the fused decoding step updates in place
+            st["q_conv"], st["k_conv"], st["v_conv"] = (st[n].contiguous() for n in ("q_conv", "k_conv", "v_conv"))
         # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
         q = F.normalize(q.reshape(B, T, H, dk), dim=-1).to(v.dtype)
         k = k.reshape(B, T, H, dk)  # KLA: raw keys, that is the point
@@ -308,6 +313,14 @@ class DeltaMixer(nn.Module):
                                           kaczmarz=self.kaczmarz, chunk_size=self.chunk_size)
         o = self.o_norm(o.to(x.dtype)) * F.silu(gate.reshape(B, T, H, dv))
         return self.o_proj(o.reshape(B, T, H * dv))
+
+    @torch.compiler.disable  # one Triton kernel, which updates the cache's buffers in place
+    def _decode_fused(self, xp, st):
+        """The lines of forward between the two projections for one token, as kernel.kla_decode_mixer."""
+        return _kernel.kla_decode_mixer(
+            xp.view(xp.shape[0], -1), st["q_conv"], st["k_conv"], st["v_conv"], self.q_conv.weight,
+            self.k_conv.weight, self.v_conv.weight, self.A_log, self.dt_bias, self.eta_bias, self.o_norm.weight,
+            st["state"], n_head=self.n_head, eps=self.eps, norm_eps=self.o_norm.eps, kaczmarz=self.kaczmarz)
 
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new

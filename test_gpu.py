@@ -124,12 +124,39 @@ def check_large(device, gen):
     return errs, finite
 
 
-def check_model_decode(device, compiled):
-    """The whole model (KLA, float32, 2 layers) decoding greedily on the Triton path, replayed from a CUDA
+def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300):
+    """kernel.kla_decode_mixer inside model.DeltaMixer (GPT-2-small's layer: 6 heads, d_k 96, d_v 192), one
+    token after a 300-token prefill, against the same layer in float64 on the recurrent reference path,
+    both starting from the reference's prefill state: the layer's output, the new state and the three
+    convolution buffers (relative errors)."""
+    torch.manual_seed(0)
+    cfg = model.GPTConfig(n_embd=width, n_head=heads, mixer=mixer, backend="triton")
+    fused = model.DeltaMixer(cfg).to(device).to(dtype).eval()
+    ref = model.DeltaMixer(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
+    ref = ref.to(device).double().eval()
+    ref.load_state_dict(fused.state_dict())
+    x = torch.randn(B, prompt + 1, width, device=device)
+    with torch.no_grad():
+        c_f, c_r = {}, {}
+        fused(x[:, :prompt].to(dtype), c_f)
+        ref(x[:, :prompt].double(), c_r)
+        for key in c_f:
+            c_f[key].copy_(c_r[key])
+        y_f = fused(x[:, prompt:].to(dtype), c_f)
+        y_r = ref(x[:, prompt:].double(), c_r)
+    errs = {"out": rel(y_f, y_r)}
+    errs.update({key: rel(c_f[key], c_r[key]) for key in ("state", "q_conv", "k_conv", "v_conv")})
+    return errs
+
+
+def check_model_decode(device, compiled, fused=True):
+    """The whole model (KLA, float32, 2 layers) decoding greedily on the Triton path (the fused decoding
+    kernel, or with fused=False the layer's PyTorch code around the step kernel), replayed from a CUDA
     graph (and torch.compile'd): its logits at every new token against one full forward over prompt +
     new tokens on the float64 chunkwise reference path; the tokens against plain step-by-step decoding."""
     torch.manual_seed(0)
-    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla")
+    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla",
+                          decode_fused=fused)
     m = model.GPT(cfg).to(device).eval()
     m.set_backend(device)
     ref = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "chunkwise"})).to(device).double().eval()
@@ -237,14 +264,24 @@ def main():
         lines.append(f"step B={B} kaczmarz={kacz}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
                      + f" {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
+    lines += ["", "the fused decoding kernel in the layer (6 heads, d_k 96, d_v 192) vs float64, one token:", ""]
+    for B, dtype, mixer in ([(1, f32, "kla")] if smoke else
+                            [(1, bf16, "kla"), (64, bf16, "kla"), (1, f32, "kla"), (4, bf16, "gdn")]):
+        errs = check_decode_mixer(device, B, dtype, mixer, **(dict(width=96, heads=2, prompt=70) if smoke else {}))
+        ok = all(e < TOL[dtype] for e in errs.values())
+        failures += not ok
+        lines.append(f"decode mixer B={B} {str(dtype)[6:]} {mixer}: "
+                     + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
     lines += ["", "the whole model decoding (KLA, float32, 2 layers, batch 2, 100-token prompt, 24 greedy tokens)"
               " against the float64 chunkwise path's full forward; and the share of tokens that differ from plain"
               " step-by-step decoding:", ""]
-    for compiled in ((False,) if smoke else (False, True)):
-        errs = check_model_decode(device, compiled)
+    for fused, compiled in (((True, False),) if smoke else ((True, False), (False, False), (True, True))):
+        errs = check_model_decode(device, compiled, fused)
         ok = errs["logits"] < TOL[torch.float32] and errs["tokens_vs_plain"] == 0
         failures += not ok
-        lines.append(f"{'CUDA graph' if device == 'cuda' else 'in-place step'}{', compiled' if compiled else ''}: "
+        lines.append(f"{'CUDA graph' if device == 'cuda' else 'in-place step'}{', compiled' if compiled else ''}"
+                     f"{', fused decoding kernel' if fused else ', layer code + step kernel'}: "
                      f"logits {errs['logits']:.1e}, tokens differing {errs['tokens_vs_plain']:.2f} {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()

@@ -583,6 +583,48 @@ def test_model_on_the_kernel_matches_the_reference_path():
     assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
 
 
+@pytest.mark.parametrize("mixer", ["kla", "gdn"])
+def test_fused_decode_step_matches_the_layer(mixer):
+    """kernel.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
+    Triton backend) against the same model decoding through the layer's PyTorch code and the step kernel:
+    logits, the carried state and convolution buffers, token by token; greedy generation equal."""
+    torch.manual_seed(0)
+    fused = GPT(tiny_config(mixer, backend="triton", conv_size=4))
+    plain = GPT(tiny_config(mixer, backend="triton", conv_size=4, decode_fused=False))
+    plain.load_state_dict(fused.state_dict())
+    for m in (fused, plain):
+        m.set_backend("cpu")
+        m.eval()
+    prompt = torch.randint(0, 61, (2, 11))
+    with torch.no_grad():
+        caches = [m.new_cache() for m in (fused, plain)]
+        for m, c in zip((fused, plain), caches):
+            m(prompt, cache=c)
+        for step in range(5):
+            tok = torch.randint(0, 61, (2, 1))
+            (lf, _), (lp, _) = fused(tok, cache=caches[0]), plain(tok, cache=caches[1])
+            assert rel_err(lf, lp) < 1e-5, step
+            for layer_f, layer_p in zip(*caches):
+                for key in ("state", "q_conv", "k_conv", "v_conv"):
+                    assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
+    assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
+
+
+def test_fused_decode_errors_name_the_tensor():
+    H, K, V, W, B = 2, 16, 32, 4, 1
+    xp = torch.zeros(B, 2 * H * K + 2 * H * V + 2 * H)
+    cq, ck, cv = torch.zeros(B, W - 1, H * K), torch.zeros(B, W - 1, H * K), torch.zeros(B, W - 1, H * V)
+    w = [torch.zeros(H * K, W), torch.zeros(H * K, W), torch.zeros(H * V, W)]
+    vec = [torch.zeros(H)] * 3
+    state = torch.zeros(B, H, K, V)
+    with pytest.raises(ValueError, match="conv_v"):
+        kernel.kla_decode_mixer(xp, cq, ck, cv[:, :, :-1], *w, *vec, torch.ones(V), state, n_head=H)
+    with pytest.raises(ValueError, match="state"):
+        kernel.kla_decode_mixer(xp, cq, ck, cv, *w, *vec, torch.ones(V), state.double(), n_head=H)
+    with pytest.raises(ValueError, match="xp"):
+        kernel.kla_decode_mixer(xp[:, 1:], cq, ck, cv, *w, *vec, torch.ones(V), state, n_head=H)
+
+
 # -----------------------------------------------------------------------------
 # The scripts: prepare_data.py, configurator.py, train.py, sample.py, run as subprocesses on a tiny
 # corpus with a tiny model on CPU, as a user would run them
