@@ -549,13 +549,16 @@ def section_generate(device, smoke):
     rows = []
     runs = [("kla", True, 0, c) for c in infer_modes()] + [("kla", False, 0, False), ("attn", False, 0, False),
                                                           ("attn", False, 1, False)]
+    if ARGS.get("mixers"):  # --mixers=kla: only these mixers' rows
+        runs = [r for r in runs if r[0] in ARGS["mixers"].split(",")]
     for mixer, graph, all_backends, compiled in runs:
         model, vocab = eval_model(mixer, device, smoke, compiled)
         saved = model_module.SDPA_BACKENDS
         if all_backends:
             model_module.SDPA_BACKENDS = model_module.SDPA_BACKENDS + [model_module.SDPBackend.CUDNN_ATTENTION]
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
-            + (" (all SDPA backends)" if all_backends else "")
+            + (" (all SDPA backends)" if all_backends else "") \
+            + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "")
         for batch in ((1,) if all_backends else (1, 64)):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
