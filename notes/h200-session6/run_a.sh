@@ -21,7 +21,7 @@ timeout $(left) python3 bench.py --section=prefill --compile_infer=1,0 --out=$R/
 echo "pre $? at $(( $(date +%s) - T0 ))" >> $R/gpus.txt
 wait
 echo "done after $(( $(date +%s) - T0 )) s" >> $R/gpus.txt
-find out-exp-lr4e-3 -name "eval.json" | head; cp -r out-exp-lr4e-3 $R/runs 2>/dev/null; find $R/runs -name "ckpt.pt*" -delete
+mkdir -p $R/logs; for d in out-exp-lr4e-3/*; do n=$(basename $d); mkdir -p $R/logs/$n; cp $d/log.jsonl $d/eval.json $d/stdout.txt $R/logs/$n/ 2>/dev/null; done
 tar czf $OUT/a.tgz -C /tmp a
 cat $R/gpus.txt; grep -h "all passed\|FAILED\|decode mixer\|CUDA graph\|step B" $R/tg.txt | head -20
 grep -h "^|" $R/gen/bench.md $R/gen0/bench.md $R/pre/bench.md 2>/dev/null; tail -n 12 $R/lm.txt
