@@ -15,7 +15,10 @@ Sections (comma-separated; default kernel,decode):
           and fla's GatedDeltaNet LM of this width, eager, when flash-linear-attention imports (--fla_lm=0: not).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
+  prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
+--fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
+inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -439,10 +442,35 @@ def kernel_group(name):
     return "other"
 
 
+def gpu_time_rows(label, fn, device):
+    """Rows [label, kernel or group, calls, ms, share] of the GPU time of one call of fn (torch.profiler,
+    kernel events only): the total, per group of kernels (kernel_group), and the 12 largest kernels."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    if device == "cuda":
+        evs = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
+        key = "device_time_total" if hasattr(evs[0] if evs else None, "device_time_total") else "cuda_time_total"
+    else:
+        evs, key = list(prof.key_averages()), "cpu_time_total"
+    times = [(ev.key, ev.count, (getattr(ev, key, 0) or 0) / 1e3) for ev in evs]
+    total = sum(t for _, _, t in times) or float("nan")
+    groups = {}
+    for name, _, t in times:
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + t
+    rows = [[label, "all GPU kernels", sum(c for _, c, _ in times), total, 1.0]]
+    rows += [[label, f"group: {g}", "", t, t / total] for g, t in sorted(groups.items(), key=lambda x: -x[1])]
+    rows += [[label, name[:80], count, t, t / total] for name, count, t in sorted(times, key=lambda x: -x[2])[:12]]
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
 def section_train_profile(device, smoke):
     """Where a training step at the first length spends its GPU time, per group of kernels and the largest
-    kernels (torch.profiler, kernel events only), for each of --mixers (default kla,attn), compiled unless
-    --compile=0."""
+    kernels, for each of --mixers (default kla,attn), compiled unless --compile=0."""
     _, shapes = model_configs(smoke)
     batch, T = shapes[0]
     compiled = ARGS.get("compile", "1") == "1" and device == "cuda"
@@ -452,32 +480,33 @@ def section_train_profile(device, smoke):
         step = train_step_fn(model, opt, batch, T, device)
         for _ in range(2):
             step()
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-        if device == "cuda":
-            evs = [ev for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA]
-            key = "device_time_total" if hasattr(evs[0] if evs else None, "device_time_total") else "cuda_time_total"
-        else:
-            evs, key = list(prof.key_averages()), "cpu_time_total"
-        times = [(ev.key, ev.count, (getattr(ev, key, 0) or 0) / 1e3) for ev in evs]
-        total = sum(t for _, _, t in times) or float("nan")
-        groups = {}
-        for name, _, t in times:
-            groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + t
-        rows.append([mixer, "all GPU kernels", sum(c for _, c, _ in times), total, 1.0])
-        for g, t in sorted(groups.items(), key=lambda x: -x[1]):
-            rows.append([mixer, f"group: {g}", "", t, t / total])
-        for name, count, t in sorted(times, key=lambda x: -x[2])[:12]:
-            rows.append([mixer, name[:80], count, t, t / total])
-        for r in rows[-len(groups) - 13:]:
-            print(r, flush=True)
+        rows += gpu_time_rows(mixer, step, device)
         del model, opt, step
         if device == "cuda":
             torch.cuda.empty_cache()
     return (f"one training step at batch {batch}, T {T}, {'compiled' if compiled else 'eager'}: GPU time by kernel",
+            ["mixer", "kernels", "calls", "ms", "share"], rows)
+
+
+def section_prefill_profile(device, smoke):
+    """Where a batch-1 prefill (one pass, no gradient) spends its GPU time, per group of kernels and the
+    largest kernels, for each of --mixers (default kla,attn) at --lengths (default 131072), compiled unless
+    --compile_infer=0."""
+    lengths = [int(t) for t in ARGS.get("lengths", "512" if smoke else "131072").split(",")]
+    compiled = ARGS.get("compile_infer", "1") == "1" and device == "cuda"
+    rows = []
+    for mixer in ARGS.get("mixers", "kla,attn").split(","):
+        model, vocab = eval_model(mixer, device, smoke, compiled)
+        for T in lengths:
+            idx = torch.randint(vocab, (1, T), device=device)
+            with torch.no_grad():
+                for _ in range(2):
+                    model(idx)
+                rows += gpu_time_rows(f"{mixer} T={T}", lambda: model(idx), device)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return (f"prefill at batch 1, {'compiled' if compiled else 'eager'}: GPU time by kernel",
             ["mixer", "kernels", "calls", "ms", "share"], rows)
 
 
@@ -595,6 +624,7 @@ def section_generate(device, smoke):
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,
             "tune_seq": section_tune_seq,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
+            "prefill_profile": section_prefill_profile,
             "generate": section_generate}
 
 
@@ -670,6 +700,8 @@ def main():
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
+        kernel._fwd_fuse_o = lambda BH, V, save, fused=ARGS["fuse_o"] == "1": fused
     device = "cpu" if smoke else "cuda"
     torch.manual_seed(0)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
