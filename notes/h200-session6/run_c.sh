@@ -12,7 +12,7 @@ stamp() { echo "$1 $2 at $(( $(date +%s) - T0 ))" >> $R/gpus.txt; }
 nvidia-smi -L > $R/gpus.txt
 (CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 bench.py --section=kernel --out=$R/k > $R/k.txt 2>&1; stamp k $?) &
 export CUDA_VISIBLE_DEVICES=0
-timeout 120 python3 test_gpu.py --cases=15,16 --paths=alt --out=$R/tg > $R/tg.txt 2>&1; stamp tg $?
+timeout 100 python3 test_gpu.py --cases=15,16 --paths=alt --out=$R/tg > $R/tg.txt 2>&1; stamp tg $?
 timeout 150 python3 bench.py --section=prefill --compile_infer=1 --out=$R/pre1 > $R/pre1.txt 2>&1; stamp pre1 $?
 timeout 150 python3 bench.py --section=prefill --compile_infer=1 --fuse_o=0 --out=$R/pre0 > $R/pre0.txt 2>&1; stamp pre0 $?
 timeout 120 python3 bench.py --section=prefill_profile --out=$R/pp > $R/pp.txt 2>&1; stamp pp $?
