@@ -344,7 +344,7 @@ def section_train(device, smoke):
         except Exception as err:  # fla's model failing must not stop ours
             print(f"fla LM: {type(err).__name__}: {str(err)[:300]}", flush=True)
     for compiled in [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]:
-        for mixer in ("attn", "kla", "gdn"):
+        for mixer in ARGS.get("mixers", "attn,kla,gdn").split(","):  # the first is the ratios' base
             model = opt = None
             for batch, T in shapes:
                 if device == "cuda":

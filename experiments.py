@@ -161,17 +161,22 @@ def by_mixer(rows, column):
     return out
 
 
+def spread(v):
+    """The sample standard deviation over seeds (rows of v; n - 1 in the denominator), 0 for one seed."""
+    return v.std(0, ddof=1) if len(v) > 1 else v.std(0)
+
+
 def summary(task, column, rows):
     """A markdown table: mean ± standard deviation over seeds per mixer and evaluation length."""
     import numpy as np
     groups = sorted(by_mixer(rows, column).items())
     lengths = groups[0][1][0] if groups else []
     unit = " (%)" if column == "accuracy" else ""
-    lines = [f"{task}: {column}{unit} at each evaluation length, mean ± std over seeds", "",
+    lines = [f"{task}: {column}{unit} at each evaluation length, mean ± sample std over seeds", "",
              "| mixer | seeds | " + " | ".join(str(n) for n in lengths) + " |", "|---|---|" + "---|" * len(lengths)]
     for mixer, (_, vals) in groups:
         v = np.array(vals) * (100 if column == "accuracy" else 1)
-        lines.append(f"| {mixer} | {len(v)} | " + " | ".join(f"{m:.2f} ± {sd:.2f}" for m, sd in zip(v.mean(0), v.std(0))) + " |")
+        lines.append(f"| {mixer} | {len(v)} | " + " | ".join(f"{m:.2f} ± {sd:.2f}" for m, sd in zip(v.mean(0), spread(v))) + " |")
     return "\n".join(lines)
 
 
@@ -187,7 +192,7 @@ def plot(task, column, rows):
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for mixer, (lengths, vals) in sorted(by_mixer(rows, column).items()):
         v = np.array(vals) * (100 if column == "accuracy" else 1)
-        line = ax.errorbar(lengths, v.mean(0), yerr=v.std(0), marker="o", capsize=3, label=f"{mixer} (n={len(v)})")
+        line = ax.errorbar(lengths, v.mean(0), yerr=spread(v), marker="o", capsize=3, label=f"{mixer} (n={len(v)})")
         if mixer in PAPER.get(task, {}):
             ax.plot(lengths, PAPER[task][mixer][:len(lengths)], ls="--", color=line[0].get_color(),
                     label=f"{mixer}, paper")

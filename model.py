@@ -276,6 +276,10 @@ class DeltaMixer(nn.Module):
         # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
         # kernel wants them: no copies, nothing saved twice for the backward)
         self.split = [H * self.dk, H * self.dk, H * self.dv, H * self.dv, H, H]  # q k v gate eta decay
+        # padded with unused outputs to a multiple of 8 (rows of 16-byte multiples in bf16, as Hopper's TMA
+        # GEMMs need): unpadded, 3468 outputs at GPT-2 small's size, cuBLAS ran an sm80 kernel at 240 TFLOP/s
+        # in a 128K-token prefill (bench.py --section=prefill_profile)
+        self.split.append(-sum(self.split) % 8)
         self.in_proj = nn.Linear(d, sum(self.split), bias=False)
         self.q_conv = ShortConv(H * self.dk, config.conv_size)
         self.k_conv = ShortConv(H * self.dk, config.conv_size)
@@ -294,7 +298,7 @@ class DeltaMixer(nn.Module):
         st = {} if cache is None else cache
         if T == 1 and "state" in st and self.decode_fused and self.backend == "triton" and not torch.is_grad_enabled():
             return self.o_proj(self._decode_fused(self.in_proj(x), st).view(B, 1, H * dv))
-        q, k, v, gate, b, a = self.in_proj(x).split(self.split, -1)
+        q, k, v, gate, b, a, _ = self.in_proj(x).split(self.split, -1)
         q, st["q_conv"] = self.q_conv(q, st.get("q_conv"))
         k, st["k_conv"] = self.k_conv(k, st.get("k_conv"))
         v, st["v_conv"] = self.v_conv(v, st.get("v_conv"))
@@ -318,8 +322,8 @@ class DeltaMixer(nn.Module):
     def _decode_fused(self, xp, st):
         """The lines of forward between the two projections for one token, as kernel.kla_decode_mixer."""
         return _kernel.kla_decode_mixer(
-            xp.view(xp.shape[0], -1), st["q_conv"], st["k_conv"], st["v_conv"], self.q_conv.weight,
-            self.k_conv.weight, self.v_conv.weight, self.A_log, self.dt_bias, self.eta_bias, self.o_norm.weight,
+            xp.view(xp.shape[0], -1)[:, :sum(self.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"],
+            self.q_conv.weight, self.k_conv.weight, self.v_conv.weight, self.A_log, self.dt_bias, self.eta_bias, self.o_norm.weight,
             st["state"], n_head=self.n_head, eps=self.eps, norm_eps=self.o_norm.eps, kaczmarz=self.kaczmarz)
 
 
@@ -481,6 +485,9 @@ class GPT(nn.Module):
         if missing or unexpected:  # e.g. a checkpoint of an older model.py (separate q / k / v projections)
             raise ValueError(f"checkpoint does not match this model.py: missing {sorted(missing)[:4]}, unexpected "
                              f"{sorted(unexpected)[:4]}; it was written by a different version of the model")
+        for name, w in model.state_dict().items():  # checkpoints from before the input projection's padding
+            if name.endswith("mixer.in_proj.weight") and state[name].shape[0] < w.shape[0] == -(-state[name].shape[0] // 8) * 8:
+                state[name] = torch.cat([state[name], state[name].new_zeros(w.shape[0] - state[name].shape[0], w.shape[1])])
         model.load_state_dict(state)
         return model
 

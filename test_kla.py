@@ -1121,6 +1121,27 @@ def test_checkpoint_of_another_model_version(trained, tiny_data, tmp_path):
         assert_clean_error(p, "does not match this model.py", "blocks.0.mixer.in_proj.weight", "ckpt.pt")
 
 
+def test_checkpoint_from_before_the_input_projection_padding(trained, tiny_data, tmp_path):
+    """The KLA layer's input projection has unused outputs up to a multiple of 8 (152 rows here, 148 used): a
+    checkpoint written before, without them, loads to the same logits and resumes training."""
+    ckpt = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    name = "blocks.0.mixer.in_proj.weight"
+    assert ckpt["model"][name].shape == (152, 32)
+    cut = lambda t: t[:148] if torch.is_tensor(t) and t.shape == (152, 32) else t
+    old = dict(ckpt, model={k: cut(v) for k, v in ckpt["model"].items()})
+    old["optimizer"] = dict(ckpt["optimizer"], state={i: {k: cut(t) for k, t in st.items()}
+                                                      for i, st in ckpt["optimizer"]["state"].items()})
+    assert old["model"][name].shape == (148, 32)
+    idx = torch.randint(ckpt["model_args"]["vocab_size"], (2, 16))
+    logits = lambda c: GPT.from_checkpoint(c, backend="chunkwise").eval()(idx)[0]
+    torch.testing.assert_close(logits(old), logits(ckpt), rtol=0, atol=0)
+    torch.save(old, tmp_path / "ckpt.pt")
+    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--init_from=resume",
+            "--max_iters=10", "--eval_interval=4", "--lr_decay_iters=8")
+    assert p.returncode == 0, p.stderr
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"] == 10
+
+
 def test_resume_other_config(trained, tiny_data):
     p = run("train.py", *TINY, "--n_embd=64", f"--data_dir={tiny_data}", f"--out_dir={trained}", "--init_from=resume",
             "--max_iters=9")

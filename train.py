@@ -222,6 +222,10 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float1
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
+    for p in model.parameters():  # AdamW's moments in a checkpoint from before the input projection's padding
+        for k, t in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(t) and t.dim() == p.dim() == 2 and t.shape[1:] == p.shape[1:] and t.shape[0] < p.shape[0]:
+                optimizer.state[p][k] = torch.cat([t, t.new_zeros(p.shape[0] - t.shape[0], *t.shape[1:])])
     scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
