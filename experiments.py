@@ -167,7 +167,7 @@ def spread(v):
 
 
 def summary(task, column, rows):
-    """A markdown table: mean ± standard deviation over seeds per mixer and evaluation length."""
+    """A markdown table: mean ± sample standard deviation over seeds per mixer and evaluation length."""
     import numpy as np
     groups = sorted(by_mixer(rows, column).items())
     lengths = groups[0][1][0] if groups else []

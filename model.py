@@ -323,8 +323,9 @@ class DeltaMixer(nn.Module):
         """The lines of forward between the two projections for one token, as kernel.kla_decode_mixer."""
         return _kernel.kla_decode_mixer(
             xp.view(xp.shape[0], -1)[:, :sum(self.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"],
-            self.q_conv.weight, self.k_conv.weight, self.v_conv.weight, self.A_log, self.dt_bias, self.eta_bias, self.o_norm.weight,
-            st["state"], n_head=self.n_head, eps=self.eps, norm_eps=self.o_norm.eps, kaczmarz=self.kaczmarz)
+            self.q_conv.weight, self.k_conv.weight, self.v_conv.weight, self.A_log, self.dt_bias, self.eta_bias,
+            self.o_norm.weight, st["state"], n_head=self.n_head, eps=self.eps, norm_eps=self.o_norm.eps,
+            kaczmarz=self.kaczmarz)
 
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
