@@ -11,8 +11,11 @@ Tasks (their config file holds every hyper-parameter; flags after --train_args o
   lm     config/python_stdlib.py: GPT-2 BPE over the Python standard library; val loss at 1x .. 16x
   mqar_small  config/mqar_small.py: a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256), to check the pipeline
 Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
-eval.json exists is skipped, so seeds can be added later. --deadline=S stops the training runs still
-going after S seconds (their best checkpoint so far is evaluated, and the iteration reached is recorded).
+eval.json exists is skipped, so seeds can be added later; one with a checkpoint but no eval.json (stopped or
+killed) is resumed from it. --deadline=S stops the training runs still going after S seconds (their best
+checkpoint so far is evaluated, and the iteration reached is recorded; with --eval_stopped=False they are left
+for the next call to resume, e.g. on a machine that keeps --root between calls).
+--data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
 results/<task>.csv has one row per run (merged with the rows already there); results/<task>.png plots
 the mean and spread over seeds per mixer against the evaluation length.
 """
@@ -40,7 +43,11 @@ gpus = ""  # GPUs to spread the runs over, e.g. "0,1" (a run sees one, through C
 deadline = 0  # seconds; 0: let every run finish
 root = "out-exp"
 results_dir = "results"
+data_dir = "data"  # where the datasets are (prepared there first if missing)
+n_train = 0  # MQAR / S-NIAH: training examples when the data is prepared here (0: the authors' 20,000)
 train_args = ""  # extra train.py flags for every run, e.g. "--max_iters=500"
+eval_stopped = True  # evaluate the runs --deadline stopped (their best checkpoint so far); False: leave them
+#                      unevaluated, so that the next call with the same --root resumes them
 eval_args = ""  # extra evaluate.py flags, e.g. "--max_examples=100"
 collect = False  # only collect and plot
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
@@ -68,9 +75,9 @@ def gpu_ids():
     return [str(i) for i in range(listing.count("GPU "))] or [None]
 
 
-def launch(cmd, out_dir, log_name, gpu=None):
+def launch(cmd, out_dir, log_name, gpu=None, append=False):
     os.makedirs(out_dir, exist_ok=True)
-    log = open(os.path.join(out_dir, log_name), "w")
+    log = open(os.path.join(out_dir, log_name), "a" if append else "w")
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
     return subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -83,25 +90,27 @@ def least_busy(devices, gpu_of, running):
 def run_all():
     for task in tasks.split(","):  # data first, once per dataset
         dataset = TASKS[task][1]
-        if not os.path.exists(os.path.join(here, "data", dataset, "meta.json")):
-            subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}"], cwd=here, check=True)
+        if not os.path.exists(os.path.join(here, data_dir, dataset, "meta.json")):
+            subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}", f"--data_dir={data_dir}"]
+                           + ([f"--n_train={n_train}"] if n_train else []), cwd=here, check=True)
     todo = [r for r in runs() if not os.path.exists(os.path.join(r[3], "eval.json"))]
     t0, waiting, running, done = time.time(), list(todo), {}, []
     devices, gpu_of = gpu_ids(), {}  # gpu_of: out_dir -> the GPU it runs on
     while waiting or running:
         while waiting and len(running) < jobs and not (deadline and time.time() - t0 > deadline):
             task, mixer, seed, out_dir = waiting.pop(0)
+            resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # stopped or killed before: go on from it
             cmd = ["train.py", TASKS[task][0], f"--mixer={mixer}", f"--seed={seed}", f"--out_dir={out_dir}",
-                   "--sample_tokens=0"] + train_args.split()
+                   f"--data_dir={data_dir}", "--sample_tokens=0"] + train_args.split() + ["--init_from=resume"] * resume
             gpu_of[out_dir] = least_busy(devices, gpu_of, running)
-            running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir])
+            running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
             on = f" on GPU {gpu_of[out_dir]}" if gpu_of[out_dir] is not None else ""
-            print(f"[{time.time() - t0:6.0f}s] started {out_dir}{on}", flush=True)
+            print(f"[{time.time() - t0:6.0f}s] {'resumed' if resume else 'started'} {out_dir}{on}", flush=True)
         if deadline and time.time() - t0 > deadline:
             for out_dir, p in running.items():
                 p.kill()  # checkpoints are written atomically: the last good one stays
                 print(f"[{time.time() - t0:6.0f}s] deadline: stopped {out_dir}", flush=True)
-            done += list(running)
+            done += list(running) if eval_stopped else []
             running = {}
             waiting = []
         for out_dir, p in list(running.items()):

@@ -7,6 +7,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # kernel.py runs in Triton's interpreter on CPU tensors; set before triton loads
 
+import csv
 import json
 import math
 import random
@@ -748,6 +749,35 @@ def test_prepare_synthetic_n_train(tmp_path):
     d = tmp_path / "mqar_small"
     assert json.loads((d / "meta.json").read_text())["n_train"] == 100
     assert os.path.getsize(d / "train.bin") == 100 * 128 * 2 and os.path.getsize(d / "val.bin") == 2000 * 128 * 2
+
+
+def test_experiments_resumes_a_stopped_run(tmp_path):
+    """experiments.py prepares a task's data in --data_dir with --n_train examples, resumes a run that has a
+    checkpoint but no eval.json (stopped by a deadline with --eval_stopped=False, or killed) instead of
+    starting it again, evaluates it and writes its row of the results table."""
+    data, root, res = tmp_path / "data", tmp_path / "exp", tmp_path / "res"
+    small = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=3",
+             "--eval_iters=2", "--log_interval=1", "--device=cpu", "--dtype=float32", "--compile=False",
+             "--always_save_checkpoint=True"]
+    exp = ["experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", "--jobs=1", f"--root={root}",
+           f"--results_dir={res}", f"--data_dir={data}", "--n_train=100", "--eval_args=--max_examples=8 --device=cpu"]
+    p = run(*exp, "--train_args=" + " ".join(small + ["--max_iters=6"]), "--deadline=1", "--eval_stopped=False",
+            timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((data / "mqar_small" / "meta.json").read_text())["n_train"] == 100
+    run_dir = root / "mqar_small-kla-1"
+    assert "deadline: stopped" in p.stdout and not (run_dir / "eval.json").exists()  # killed within a second
+    # a run killed after its checkpoint at iteration 6 (train.py by hand, as experiments.py starts it)
+    p = run("train.py", "config/mqar_small.py", "--mixer=kla", "--seed=1", f"--out_dir={run_dir}",
+            f"--data_dir={data}", "--sample_tokens=0", *small, "--max_iters=6", timeout=300)
+    assert p.returncode == 0, p.stderr
+    p = run(*exp, "--train_args=" + " ".join(small + ["--max_iters=9"]), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"resumed {run_dir}" in p.stdout and "evaluated 1 runs" in p.stdout
+    evals = [json.loads(line)["iter"] for line in open(run_dir / "log.jsonl") if '"val_loss"' in line]
+    assert evals == [0, 3, 6, 6, 9]  # went on from 6 (evaluated again there), not from 0
+    rows = list(csv.DictReader(open(res / "mqar_small.csv")))
+    assert [(r["mixer"], r["seed"], r["last_iter"]) for r in rows] == [("kla", "1", "9")]
 
 
 @pytest.fixture(scope="module")
