@@ -16,6 +16,7 @@ Sections (comma-separated; default kernel,decode):
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
+  decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
@@ -433,6 +434,8 @@ def kernel_group(name):
         return "kernel.py forward"
     if name.startswith("_bwd_") and name.endswith("_kernel"):
         return "kernel.py backward"
+    if name in ("_step_kernel", "_decode_mixer_kernel"):
+        return "kernel.py decoding"
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
         return "matmul (cuBLAS)"
     if n.startswith("triton_") or "triton" in n:
@@ -507,6 +510,28 @@ def section_prefill_profile(device, smoke):
         if device == "cuda":
             torch.cuda.empty_cache()
     return (f"prefill at batch 1, {'compiled' if compiled else 'eager'}: GPU time by kernel",
+            ["mixer", "kernels", "calls", "ms", "share"], rows)
+
+
+def section_decode_profile(device, smoke):
+    """Where one decoding step at batch 1 (and --batch=) spends its GPU time, per group of kernels and the
+    largest kernels: the model's in-place step after a 1024-token prompt, run plainly so that the profiler
+    sees every kernel (the CUDA graph replays the same kernels without the launch gaps); KLA, compiled unless
+    --compile_infer=0, fused decoding kernel unless --decode_fused=0."""
+    compiled = ARGS.get("compile_infer", "1") == "1" and device == "cuda"
+    rows = []
+    for batch in [int(b) for b in ARGS.get("batch", "1").split(",")]:
+        model, vocab = eval_model("kla", device, smoke, compiled)
+        with torch.no_grad():
+            cache = model.new_cache()
+            model.prefill(torch.randint(vocab, (batch, 64 if smoke else 1024), device=device), cache, 8192)
+            step = model.decode_step(cache, batch)
+            tok = torch.randint(vocab, (batch, 1), device=device)
+            for _ in range(3):
+                step(tok)
+            rows += gpu_time_rows(f"kla batch {batch}", lambda: step(tok), device)
+        del model
+    return (f"one decoding step, {'compiled' if compiled else 'eager'}, no CUDA graph: GPU time by kernel",
             ["mixer", "kernels", "calls", "ms", "share"], rows)
 
 
@@ -624,7 +649,7 @@ def section_generate(device, smoke):
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,
             "tune_seq": section_tune_seq,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
-            "prefill_profile": section_prefill_profile,
+            "prefill_profile": section_prefill_profile, "decode_profile": section_decode_profile,
             "generate": section_generate}
 
 
