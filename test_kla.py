@@ -763,6 +763,28 @@ def test_prepare_synthetic_n_train(tmp_path):
     assert os.path.getsize(d / "train.bin") == 100 * 128 * 2 and os.path.getsize(d / "val.bin") == 2000 * 128 * 2
 
 
+def test_gpu_script_smoke():
+    """test_gpu.py --smoke: the GPU correctness script itself (chunk kernel, decoding step, fused decoding
+    kernel, whole-model decoding against float64) on tiny cases in Triton's interpreter."""
+    p = run("test_gpu.py", "--smoke", timeout=600)
+    assert p.returncode == 0 and "all passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_bench_smoke(tmp_path):
+    """bench.py --smoke: every section a GPU run uses, at toy sizes on the CPU (the kernel in Triton's
+    interpreter), writes its table; --fuse_o=0 forces the kernel's other forward path."""
+    sections = "kernel,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile"
+    p = run("bench.py", "--smoke", f"--section={sections}", "--compile=0", "--fuse_o=0", f"--out={tmp_path}",
+            timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert list(res["sections"]) == sections.split(",")
+    for name, sec in res["sections"].items():
+        assert sec["rows"] and all(len(r) == len(sec["head"]) for r in sec["rows"]), name
+        assert not any(isinstance(x, str) and x.endswith("Error") for r in sec["rows"] for x in r), name
+    assert (tmp_path / "bench.md").read_text().count("### ") == len(sections.split(","))
+
+
 def test_experiments_resumes_a_stopped_run(tmp_path):
     """experiments.py prepares a task's data in --data_dir with --n_train examples, resumes a run that has a
     checkpoint but no eval.json (stopped by a deadline with --eval_stopped=False, or killed) instead of
