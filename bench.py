@@ -221,7 +221,7 @@ def section_tune_seq(device, smoke):
                     variants.append((shape, False, f"fwd BV={bv0} warps={nw} stages={ns} o={'fused' if fuse else 'split'}",
                                      dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if not bwd
                                           else saved["_seq_config"](BH, V, fp32, bwd),
-                                          _fwd_fuse_o=lambda BH, V, save, f=fuse: f)))
+                                          _fwd_fuse_o=lambda BH, V, save, N, f=fuse: f)))
         for nw in (1, 4):
             variants.append((shape, False, f"prep warps={nw}", dict(_prep_warps=lambda BK, fp32=False, nw=nw: nw)))
         for bvp, nw in ((32, 4), (128, 4), (64, 8)):
@@ -726,7 +726,7 @@ def main():
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
-        kernel._fwd_fuse_o = lambda BH, V, save, fused=ARGS["fuse_o"] == "1": fused
+        kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused
     device = "cpu" if smoke else "cuda"
     torch.manual_seed(0)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()

@@ -25,7 +25,7 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
                        U = U0 - W S, O = O0 + Qe S, S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U; saves S0
                        of every chunk for the backward when a gradient is needed.
     _fwd_o_kernel      grid (chunks, B*H): O = O0 + Qe S0 from the saved states, when _fwd_kernel leaves it
-                       out (few programs and a gradient needed: _fwd_fuse_o).
+                       out (few programs, and a gradient needed or a long sequence: _fwd_fuse_o).
     _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
@@ -675,12 +675,14 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     return bv, 4, 3 if few and not fp32 else 2
 
 
-def _fwd_fuse_o(BH, V, save):
+def _fwd_fuse_o(BH, V, save, N):
     """Whether _fwd_kernel adds Qe S0 to the output itself, or leaves it to _fwd_o_kernel, which reads the
-    states S0 saved for the backward (fewer bytes a step in the sequential loop). Split when the states
-    are saved anyway and few programs run: (1, 32768, 16, 128) forward 1.47 -> 1.25 ms (3 stages). Fused
-    without autograd, where the split would need the states' memory (+1 GiB at 131072 tokens x 16 heads)."""
-    return not (save and _few_programs(BH, V))
+    states S0 of the N chunks (fewer bytes a step in the sequential loop). Split when few programs run and
+    the states are saved for the backward anyway ((1, 32768, 16, 128) forward 1.47 -> 1.25 ms, 3 stages) or
+    the sequence is long (N >= 256 chunks): the whole model's 128K-token prefill 113.8 -> 101.4 ms, 64K 58.0 ->
+    51.3, 16K 23.0 -> 20.7 (notes/h200-session6/runD/); its states' memory is temporary (+0.66 GiB there).
+    Fused otherwise (8192-token prefill segments: no consistent gain measured)."""
+    return not (_few_programs(BH, V) and (save or N >= 256))
 
 
 def _prep_warps(BK, fp32=False):
@@ -746,7 +748,7 @@ class KLAChunkFunction(torch.autograd.Function):
                                  PREC=prec, num_warps=_prep_warps(BK, fp32))
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
         ht = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-        fuse_o = _fwd_fuse_o(B * H, V, save)
+        fuse_o = _fwd_fuse_o(B * H, V, save, N)
         hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
         w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
         u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)

@@ -492,7 +492,7 @@ def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
 def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     """The forward without autograd with the state's share of the output added after the sequential pass
     (_fwd_o_kernel from the states it then saves; bench.py --fuse_o=0, measured faster for long prefills)."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save: False)
+    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: False)
     inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     with torch.no_grad():
@@ -505,7 +505,7 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
     """The forward path the config picks for other shapes than these small ones (the output added inside
     the sequential forward even when the states are saved for the backward): output, every gradient, and
     the forward without autograd."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save: True)
+    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: True)
     inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
