@@ -434,7 +434,7 @@ def kernel_group(name):
         return "kernel.py forward"
     if name.startswith("_bwd_") and name.endswith("_kernel"):
         return "kernel.py backward"
-    if name in ("_step_kernel", "_decode_mixer_kernel"):
+    if name in ("_step_kernel", "_decode_mixer_kernel", "_decode_linear_kernel"):
         return "kernel.py decoding"
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
         return "matmul (cuBLAS)"

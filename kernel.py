@@ -573,12 +573,19 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
     """One decoding token through the mixer between its two projections, for one (sequence, head): the
     short convolutions of q, k, v (their buffers shifted in place), q (and for GDN k) normalised, eta and the
     decay from their projections, beta, the delta-rule step on the state (in place), and the output's
-    RMSNorm times SiLU(gate). xp is the input projection's output [q | k | v | gate | eta | decay]."""
+    RMSNorm times SiLU(gate). xp is the input projection's output [q | k | v | gate | eta | decay].
+    With BV >= V the head's whole state is one tile, loaded first (it does not depend on the convolutions,
+    so its latency overlaps theirs) and the output normalised in registers; else V is walked in BV blocks
+    and the output read back for the norm."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     x_row = xp + i_b * stride_xb
     rk = tl.arange(0, BK)
     mk = rk < K
+    if BV >= V:
+        rv = tl.arange(0, BV)
+        mv = rv < V
+        S = tl.load(state + i_bh * K * V + rk[:, None] * V + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.)
     ch_k = i_h * K + rk
     q = _conv_step(tl.load(x_row + ch_k, mask=mk, other=0.).to(tl.float32), cq, wq, i_b * (W - 1) * H * K,
                    H * K, ch_k, mk, W, BW)
@@ -588,39 +595,89 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
     k = tl.where(mk, k, 0.)
     if not KACZ:
         k = k / tl.maximum(tl.sqrt(tl.sum(k * k, 0)), 1e-12)
-    eta = tl.sigmoid(tl.load(x_row + 2 * H * K + 2 * H * V + i_h).to(tl.float32) + tl.load(eta_bias + i_h))
-    a = tl.load(x_row + 2 * H * K + 2 * H * V + H + i_h).to(tl.float32) + tl.load(dt_bias + i_h)
+    eta = tl.sigmoid(tl.load(x_row + 2 * H * K + 2 * H * V + i_h).to(tl.float32)
+                     + tl.load(eta_bias + i_h).to(tl.float32))
+    a = tl.load(x_row + 2 * H * K + 2 * H * V + H + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
     g = -tl.exp(tl.load(a_log + i_h).to(tl.float32)) * tl.where(a > 20., a, tl.log(1. + tl.exp(a)))  # softplus
     beta = eta
     if KACZ:
         r2 = tl.sum(k * k, 0) + eps
         beta = tl.where(r2 > 0, eta / r2, 0.)
     decay = tl.exp(g)
-    sumsq = 0.
-    for i_v in range(tl.cdiv(V, BV)):
-        rv = i_v * BV + tl.arange(0, BV)
-        mv = rv < V
+    if BV >= V:
         ch_v = i_h * V + rv
         v = _conv_step(tl.load(x_row + 2 * H * K + ch_v, mask=mv, other=0.).to(tl.float32), cvv, wv,
                        i_b * (W - 1) * H * V, H * V, ch_v, mv, W, BW)
-        offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
-        ms = mk[:, None] & mv[None, :]
-        S = tl.load(state + offs, mask=ms, other=0.) * decay
+        S = S * decay
         e = tl.where(mv, v, 0.) - tl.sum(S * k[:, None], 0)
         S += (beta * k)[:, None] * e[None, :]
-        tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
+        tl.store(state + i_bh * K * V + rk[:, None] * V + rv[None, :], S, mask=mk[:, None] & mv[None, :])
         o = tl.sum(S * q[:, None], 0) * scale
-        sumsq += tl.sum(tl.where(mv, o * o, 0.), 0)
-        tl.store(out + i_bh * V + rv, o.to(out.dtype.element_ty), mask=mv)
-    rstd = 1. / tl.sqrt(sumsq / V + norm_eps)
-    tl.debug_barrier()  # the unnormalised output is read back by other threads
-    for i_v in range(tl.cdiv(V, BV)):
-        rv = i_v * BV + tl.arange(0, BV)
-        mv = rv < V
-        o = tl.load(out + i_bh * V + rv, mask=mv, other=0.).to(tl.float32)
+        o = o.to(out.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
+        rstd = 1. / tl.sqrt(tl.sum(tl.where(mv, o * o, 0.), 0) / V + norm_eps)
         gate = tl.load(x_row + 2 * H * K + H * V + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
         y = o * rstd * tl.load(norm_w + rv, mask=mv, other=0.).to(tl.float32) * gate * tl.sigmoid(gate)
         tl.store(out + i_bh * V + rv, y.to(out.dtype.element_ty), mask=mv)
+    else:
+        sumsq = 0.
+        for i_v in range(tl.cdiv(V, BV)):
+            rv = i_v * BV + tl.arange(0, BV)
+            mv = rv < V
+            ch_v = i_h * V + rv
+            v = _conv_step(tl.load(x_row + 2 * H * K + ch_v, mask=mv, other=0.).to(tl.float32), cvv, wv,
+                           i_b * (W - 1) * H * V, H * V, ch_v, mv, W, BW)
+            offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
+            ms = mk[:, None] & mv[None, :]
+            S = tl.load(state + offs, mask=ms, other=0.) * decay
+            e = tl.where(mv, v, 0.) - tl.sum(S * k[:, None], 0)
+            S += (beta * k)[:, None] * e[None, :]
+            tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
+            o = tl.sum(S * q[:, None], 0) * scale
+            tl.store(out + i_bh * V + rv, o.to(out.dtype.element_ty), mask=mv)
+            o = o.to(out.dtype.element_ty).to(tl.float32)
+            sumsq += tl.sum(tl.where(mv, o * o, 0.), 0)
+        rstd = 1. / tl.sqrt(sumsq / V + norm_eps)
+        tl.debug_barrier()  # the unnormalised output is read back by other threads
+        for i_v in range(tl.cdiv(V, BV)):
+            rv = i_v * BV + tl.arange(0, BV)
+            mv = rv < V
+            o = tl.load(out + i_bh * V + rv, mask=mv, other=0.).to(tl.float32)
+            gate = tl.load(x_row + 2 * H * K + H * V + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
+            y = o * rstd * tl.load(norm_w + rv, mask=mv, other=0.).to(tl.float32) * gate * tl.sigmoid(gate)
+            tl.store(out + i_bh * V + rv, y.to(out.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+                          RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y = W h (+ res) for one token, BN outputs a program: W (N, K) row-major (nn.Linear's weight); h is x,
+    or RMSNorm(x) * norm_w (NORM), or SiLU(x[:K]) * x[K:] (SWIGLU). At batch 1 the product is a stream of
+    the weights: each program requests its rows' K columns at once (one step of the loop when K <= BK)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = rn < N
+    rstd = 1.
+    if NORM:
+        sumsq = tl.zeros([BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            h = tl.load(x + rk, mask=rk < K, other=0.).to(tl.float32)
+            sumsq += h * h
+        rstd = 1. / tl.sqrt(tl.sum(sumsq, 0) / K + norm_eps)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < K
+        wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+        h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
+        if SWIGLU:
+            h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
+        if NORM:
+            h = h * rstd * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
+        h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
+        acc += tl.sum(wt.to(tl.float32) * h[None, :], 1)
+    if RES:
+        acc = acc.to(y.dtype.element_ty).to(tl.float32) + tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
+    tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
 
 
 # -----------------------------------------------------------------------------
@@ -892,10 +949,41 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
                          f"{state.dtype} {tuple(state.shape)}")
     out = torch.empty(B, H * V, device=xp.device, dtype=xp.dtype)
     scale = K ** -0.5 if scale is None else scale
+    BK, BV = _block_k(K), max(16, triton.next_power_of_2(V))
+    if BK * BV > 32768:  # the head's state as one tile would not fit in registers: walk V in blocks
+        BV = 64
+    # A_log, dt_bias, eta_bias as they are (a .float() here would be three copy kernels a layer and token)
     _decode_mixer_kernel[(B * H,)](
-        xp, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous(), A_log.float().contiguous(),
-        dt_bias.float().contiguous(), eta_bias.float().contiguous(), norm_weight.contiguous(), state, out,
+        xp, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous(), A_log.contiguous(),
+        dt_bias.contiguous(), eta_bias.contiguous(), norm_weight.contiguous(), state, out,
         xp.stride(0), float(scale), float(eps), float(norm_eps),
-        H=H, K=K, V=V, W=W, BK=_block_k(K), BV=min(64, max(16, triton.next_power_of_2(V))),
-        BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz), num_warps=4)
+        H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz),
+        num_warps=max(4, min(16, BK * BV // 2048)))
     return out
+
+
+def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None):
+    """One token's linear layer as one kernel, for decoding at batch 1: y = h W^T (+ residual), where h is
+    x, or RMSNorm(x) * norm_weight (norm_weight given), or SiLU(a) * b for x = [a | b] (swiglu). x (1, K),
+    or (1, 2 K) with swiglu; weight (N, K) as nn.Linear holds it; residual (1, N). Returns (1, N) in x's
+    dtype. model.Block decodes with it (a norm, a projection and a residual add each a kernel otherwise)."""
+    N, K = weight.shape
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if swiglu else K) or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous (1, {2 * K if swiglu else K}) tensor for a weight of shape "
+                         f"{(N, K)}{' with swiglu' if swiglu else ''}, got {tuple(x.shape)}")
+    if not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be contiguous and of x's dtype {x.dtype}, got {weight.dtype}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
+    if residual is not None and (tuple(residual.shape) != (1, N) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous (1, {N}) tensor, got {tuple(residual.shape)}")
+    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    BK = min(triton.next_power_of_2(K), 4096)
+    BN = 16  # as many rows as keep a program's tile <= 16K elements and the grid >= two programs an SM
+    while BN > 1 and (BN * BK > 16384 or triton.cdiv(N, BN) < 264):
+        BN //= 2
+    _decode_linear_kernel[(triton.cdiv(N, BN),)](
+        x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
+        float(norm_eps), NORM=norm_weight is not None, SWIGLU=bool(swiglu), RES=residual is not None, BN=BN, BK=BK,
+        num_warps=4)
+    return y

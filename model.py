@@ -225,7 +225,8 @@ class GPTConfig:
     kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
     chunk_size: int = 64
     backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
-    decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel
+    decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel,
+                               # and at batch 1 the whole block as five (Block._decode_fused)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -397,8 +398,30 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None):
+        if cache is not None and x.shape[:2] == (1, 1) and self._decodes_fused(x, cache):
+            return self._decode_fused(x, cache)
         x = x + self.mixer(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
+
+    def _decodes_fused(self, x, st):
+        """Whether this token (batch 1) goes through _decode_fused: KLA / GDN decoding on the Triton backend
+        without autograd, weights, input and convolution buffers in one dtype (not under autocast with float32
+        weights, whose buffers are in the autocast dtype)."""
+        m = self.mixer
+        return (isinstance(m, DeltaMixer) and m.decode_fused and m.backend == "triton" and "state" in st
+                and not torch.is_grad_enabled() and x.is_contiguous()
+                and x.dtype == m.in_proj.weight.dtype == self.mlp.down.weight.dtype == st["q_conv"].dtype)
+
+    @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
+    def _decode_fused(self, x, st):
+        """forward for one token at batch 1 as five kernels: RMSNorm + the mixer's input projection; the mixer
+        (kernel.kla_decode_mixer); its output projection + the residual; RMSNorm + the MLP's first projection;
+        SwiGLU + the MLP's second projection + the residual (kernel.decode_linear)."""
+        m, x1 = self.mixer, x.view(1, -1)
+        xp = _kernel.decode_linear(x1, m.in_proj.weight, norm_weight=self.norm1.weight, norm_eps=self.norm1.eps)
+        x1 = _kernel.decode_linear(m._decode_fused(xp, st), m.o_proj.weight, residual=x1)
+        h = _kernel.decode_linear(x1, self.mlp.gate_up.weight, norm_weight=self.norm2.weight, norm_eps=self.norm2.eps)
+        return _kernel.decode_linear(h, self.mlp.down.weight, swiglu=True, residual=x1).view_as(x)
 
 
 class GPT(nn.Module):

@@ -124,15 +124,20 @@ def check_large(device, gen):
     return errs, finite
 
 
-def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300):
+def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300, block=False):
     """kernel.kla_decode_mixer inside model.DeltaMixer (GPT-2-small's layer: 6 heads, d_k 96, d_v 192), one
     token after a 300-token prefill, against the same layer in float64 on the recurrent reference path,
     both starting from the reference's prefill state: the layer's output, the new state and the three
-    convolution buffers (relative errors)."""
+    convolution buffers (relative errors). block: the whole model.Block instead (at batch 1 the five kernels
+    of Block._decode_fused, kernel.decode_linear around the mixer kernel)."""
     torch.manual_seed(0)
     cfg = model.GPTConfig(n_embd=width, n_head=heads, mixer=mixer, backend="triton")
-    fused = model.DeltaMixer(cfg).to(device).to(dtype).eval()
-    ref = model.DeltaMixer(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
+    layer = model.Block if block else model.DeltaMixer
+    fused = layer(cfg).to(device).to(dtype).eval()
+    for name, p in fused.named_parameters():  # norms' weights away from their initial ones: a lost one shows
+        if "norm" in name:
+            p.data.uniform_(0.5, 1.5)
+    ref = layer(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
     ref = ref.to(device).double().eval()
     ref.load_state_dict(fused.state_dict())
     x = torch.randn(B, prompt + 1, width, device=device)
@@ -144,12 +149,13 @@ def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt
             c_f[key].copy_(c_r[key])
         y_f = fused(x[:, prompt:].to(dtype), c_f)
         y_r = ref(x[:, prompt:].double(), c_r)
-    errs = {"out": rel(y_f, y_r)}
+    x_new = x[:, prompt:]  # a block's output less its input: what it adds to the residual stream
+    errs = {"out": rel(y_f - x_new.to(dtype), y_r - x_new.double()) if block else rel(y_f, y_r)}
     errs.update({key: rel(c_f[key], c_r[key]) for key in ("state", "q_conv", "k_conv", "v_conv")})
     return errs
 
 
-def check_model_decode(device, compiled, fused=True):
+def check_model_decode(device, compiled, fused=True, batch=2):
     """The whole model (KLA, float32, 2 layers) decoding greedily on the Triton path (the fused decoding
     kernel, or with fused=False the layer's PyTorch code around the step kernel), replayed from a CUDA
     graph (and torch.compile'd): its logits at every new token against one full forward over prompt +
@@ -163,7 +169,7 @@ def check_model_decode(device, compiled, fused=True):
     ref.load_state_dict(m.state_dict())
     if compiled:
         m.compile(dynamic=True)
-    prompt = torch.randint(512, (2, 100), device=device)
+    prompt = torch.randint(512, (batch, 100), device=device)
     graph = device == "cuda"
     toks = torch.cat(list(m.stream(prompt, 24, temperature=0, cuda_graph=graph, prefill_chunk=64)), 1)
     plain = torch.cat(list(m.stream(prompt, 24, temperature=0, cuda_graph=False, prefill_chunk=64)), 1)
@@ -172,7 +178,7 @@ def check_model_decode(device, compiled, fused=True):
         want = ref(full, full)[0][:, prompt.shape[1] - 1:-1]
         cache = m.new_cache()  # the model's own: prefill, then its decode step (graph or not), token by token
         got = [m.prefill(prompt, cache, 64)]
-        step = m.decode_step(cache, 2, cuda_graph=graph)
+        step = m.decode_step(cache, batch, cuda_graph=graph)
         for i in range(toks.shape[1] - 1):
             got.append(step(toks[:, i:i + 1]).clone())
     return {"logits": rel(torch.cat(got, 1), want), "tokens_vs_plain": float((toks != plain).float().mean())}
@@ -265,23 +271,28 @@ def main():
                      + f" {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     lines += ["", "the fused decoding kernel in the layer (6 heads, d_k 96, d_v 192) vs float64, one token:", ""]
-    for B, dtype, mixer in ([(1, f32, "kla")] if smoke else
-                            [(1, bf16, "kla"), (64, bf16, "kla"), (1, f32, "kla"), (4, bf16, "gdn")]):
-        errs = check_decode_mixer(device, B, dtype, mixer, **(dict(width=96, heads=2, prompt=70) if smoke else {}))
+    for B, dtype, mixer, block in ([(1, f32, "kla", False), (1, f32, "kla", True)] if smoke else
+                                   [(1, bf16, "kla", False), (64, bf16, "kla", False), (1, f32, "kla", False),
+                                    (4, bf16, "gdn", False), (1, bf16, "kla", True), (1, f32, "kla", True),
+                                    (1, bf16, "gdn", True)]):
+        errs = check_decode_mixer(device, B, dtype, mixer, block=block,
+                                  **(dict(width=96, heads=2, prompt=70) if smoke else {}))
         ok = all(e < TOL[dtype] for e in errs.values())
         failures += not ok
-        lines.append(f"decode mixer B={B} {str(dtype)[6:]} {mixer}: "
+        lines.append(f"decode {'block' if block else 'mixer'} B={B} {str(dtype)[6:]} {mixer}: "
                      + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
-    lines += ["", "the whole model decoding (KLA, float32, 2 layers, batch 2, 100-token prompt, 24 greedy tokens)"
+    lines += ["", "the whole model decoding (KLA, float32, 2 layers, batch 2 and 1, 100-token prompt, 24 greedy tokens)"
               " against the float64 chunkwise path's full forward; and the share of tokens that differ from plain"
               " step-by-step decoding:", ""]
-    for fused, compiled in (((True, False),) if smoke else ((True, False), (False, False), (True, True))):
-        errs = check_model_decode(device, compiled, fused)
+    for fused, compiled, batch in (((True, False, 2), (True, False, 1)) if smoke else
+                                   ((True, False, 2), (False, False, 2), (True, True, 2), (True, False, 1),
+                                    (True, True, 1))):
+        errs = check_model_decode(device, compiled, fused, batch)
         ok = errs["logits"] < TOL[torch.float32] and errs["tokens_vs_plain"] == 0
         failures += not ok
         lines.append(f"{'CUDA graph' if device == 'cuda' else 'in-place step'}{', compiled' if compiled else ''}"
-                     f"{', fused decoding kernel' if fused else ', layer code + step kernel'}: "
+                     f"{', fused decoding kernel' if fused else ', layer code + step kernel'}, batch {batch}: "
                      f"logits {errs['logits']:.1e}, tokens differing {errs['tokens_vs_plain']:.2f} {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()

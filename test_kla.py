@@ -596,31 +596,72 @@ def test_model_on_the_kernel_matches_the_reference_path():
     assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
 
 
-@pytest.mark.parametrize("mixer", ["kla", "gdn"])
-def test_fused_decode_step_matches_the_layer(mixer):
+@pytest.mark.parametrize("mixer,batch,size", [("kla", 2, {}), ("gdn", 2, {}), ("kla", 1, {}), ("gdn", 1, {}),
+                                              ("kla", 1, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0))])
+def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
-    Triton backend) against the same model decoding through the layer's PyTorch code and the step kernel:
-    logits, the carried state and convolution buffers, token by token; greedy generation equal."""
+    Triton backend; with the last size, d_v 512, the kernel walks V in blocks) and at batch 1 the whole block
+    as five kernels (model.Block._decode_fused, kernel.decode_linear) against the same model decoding
+    through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
+    buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
-    fused = GPT(tiny_config(mixer, backend="triton", conv_size=4))
-    plain = GPT(tiny_config(mixer, backend="triton", conv_size=4, decode_fused=False))
+    fused = GPT(tiny_config(mixer, backend="triton", conv_size=4, **size))
+    plain = GPT(tiny_config(mixer, backend="triton", conv_size=4, decode_fused=False, **size))
     plain.load_state_dict(fused.state_dict())
     for m in (fused, plain):
         m.set_backend("cpu")
         m.eval()
-    prompt = torch.randint(0, 61, (2, 11))
+    prompt = torch.randint(0, 61, (batch, 11))
+    calls, linear = [], kernel.decode_linear
+    monkeypatch.setattr(kernel, "decode_linear", lambda *a, **kw: calls.append(1) or linear(*a, **kw))
     with torch.no_grad():
         caches = [m.new_cache() for m in (fused, plain)]
         for m, c in zip((fused, plain), caches):
             m(prompt, cache=c)
         for step in range(5):
-            tok = torch.randint(0, 61, (2, 1))
+            tok = torch.randint(0, 61, (batch, 1))
             (lf, _), (lp, _) = fused(tok, cache=caches[0]), plain(tok, cache=caches[1])
             assert rel_err(lf, lp) < 1e-5, step
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
+    assert len(calls) == (4 * 2 * 5 if batch == 1 else 0)  # batch 1: four projections, two layers, five tokens
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
+
+
+@pytest.mark.parametrize("N,K", [(40, 24), (7, 5000)])
+@pytest.mark.parametrize("how", ["plain", "norm", "swiglu", "norm+residual", "swiglu+residual"])
+def test_decode_linear_against_float64(N, K, how):
+    """kernel.decode_linear (batch-1 decoding's projections with their norm, SwiGLU and residual add) against
+    the same in float64; K = 5000 walks K in two blocks."""
+    torch.manual_seed(0)
+    swiglu, norm, res = "swiglu" in how, "norm" in how, "residual" in how
+    x = torch.randn(1, 2 * K if swiglu else K)
+    w, nw, r = torch.randn(N, K) / K ** 0.5, torch.rand(K) + 0.5, torch.randn(1, N)
+    y = kernel.decode_linear(x, w, norm_weight=nw if norm else None, norm_eps=1e-5, swiglu=swiglu,
+                             residual=r if res else None)
+    h = x.double()
+    if swiglu:
+        h = F.silu(h[:, :K]) * h[:, K:]
+    if norm:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()
+    want = h @ w.double().T + (r.double() if res else 0)
+    assert y.shape == (1, N) and y.dtype == x.dtype
+    assert rel_err(y, want) < 1e-6
+
+
+def test_decode_linear_errors_name_the_problem():
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="x must be"):
+        kernel.decode_linear(torch.zeros(2, 16), w)
+    with pytest.raises(ValueError, match="x must be"):
+        kernel.decode_linear(torch.zeros(1, 16), w, swiglu=True)
+    with pytest.raises(ValueError, match="dtype"):
+        kernel.decode_linear(torch.zeros(1, 16), w.double())
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernel.decode_linear(torch.zeros(1, 16), w, norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match="residual"):
+        kernel.decode_linear(torch.zeros(1, 16), w, residual=torch.zeros(1, 16))
 
 
 def test_fused_decode_errors_name_the_tensor():
