@@ -573,19 +573,12 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
     """One decoding token through the mixer between its two projections, for one (sequence, head): the
     short convolutions of q, k, v (their buffers shifted in place), q (and for GDN k) normalised, eta and the
     decay from their projections, beta, the delta-rule step on the state (in place), and the output's
-    RMSNorm times SiLU(gate). xp is the input projection's output [q | k | v | gate | eta | decay].
-    With BV >= V the head's whole state is one tile, loaded first (it does not depend on the convolutions,
-    so its latency overlaps theirs) and the output normalised in registers; else V is walked in BV blocks
-    and the output read back for the norm."""
+    RMSNorm times SiLU(gate). xp is the input projection's output [q | k | v | gate | eta | decay]."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     x_row = xp + i_b * stride_xb
     rk = tl.arange(0, BK)
     mk = rk < K
-    if BV >= V:
-        rv = tl.arange(0, BV)
-        mv = rv < V
-        S = tl.load(state + i_bh * K * V + rk[:, None] * V + rv[None, :], mask=mk[:, None] & mv[None, :], other=0.)
     ch_k = i_h * K + rk
     q = _conv_step(tl.load(x_row + ch_k, mask=mk, other=0.).to(tl.float32), cq, wq, i_b * (W - 1) * H * K,
                    H * K, ch_k, mk, W, BW)
@@ -604,47 +597,31 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
         r2 = tl.sum(k * k, 0) + eps
         beta = tl.where(r2 > 0, eta / r2, 0.)
     decay = tl.exp(g)
-    if BV >= V:
+    sumsq = 0.
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        mv = rv < V
         ch_v = i_h * V + rv
         v = _conv_step(tl.load(x_row + 2 * H * K + ch_v, mask=mv, other=0.).to(tl.float32), cvv, wv,
                        i_b * (W - 1) * H * V, H * V, ch_v, mv, W, BW)
-        S = S * decay
+        offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
+        ms = mk[:, None] & mv[None, :]
+        S = tl.load(state + offs, mask=ms, other=0.) * decay
         e = tl.where(mv, v, 0.) - tl.sum(S * k[:, None], 0)
         S += (beta * k)[:, None] * e[None, :]
-        tl.store(state + i_bh * K * V + rk[:, None] * V + rv[None, :], S, mask=mk[:, None] & mv[None, :])
+        tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
         o = tl.sum(S * q[:, None], 0) * scale
-        o = o.to(out.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
-        rstd = 1. / tl.sqrt(tl.sum(tl.where(mv, o * o, 0.), 0) / V + norm_eps)
+        sumsq += tl.sum(tl.where(mv, o * o, 0.), 0)
+        tl.store(out + i_bh * V + rv, o.to(out.dtype.element_ty), mask=mv)
+    rstd = 1. / tl.sqrt(sumsq / V + norm_eps)
+    tl.debug_barrier()  # the unnormalised output is read back by other threads
+    for i_v in range(tl.cdiv(V, BV)):
+        rv = i_v * BV + tl.arange(0, BV)
+        mv = rv < V
+        o = tl.load(out + i_bh * V + rv, mask=mv, other=0.).to(tl.float32)
         gate = tl.load(x_row + 2 * H * K + H * V + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
         y = o * rstd * tl.load(norm_w + rv, mask=mv, other=0.).to(tl.float32) * gate * tl.sigmoid(gate)
         tl.store(out + i_bh * V + rv, y.to(out.dtype.element_ty), mask=mv)
-    else:
-        sumsq = 0.
-        for i_v in range(tl.cdiv(V, BV)):
-            rv = i_v * BV + tl.arange(0, BV)
-            mv = rv < V
-            ch_v = i_h * V + rv
-            v = _conv_step(tl.load(x_row + 2 * H * K + ch_v, mask=mv, other=0.).to(tl.float32), cvv, wv,
-                           i_b * (W - 1) * H * V, H * V, ch_v, mv, W, BW)
-            offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
-            ms = mk[:, None] & mv[None, :]
-            S = tl.load(state + offs, mask=ms, other=0.) * decay
-            e = tl.where(mv, v, 0.) - tl.sum(S * k[:, None], 0)
-            S += (beta * k)[:, None] * e[None, :]
-            tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
-            o = tl.sum(S * q[:, None], 0) * scale
-            tl.store(out + i_bh * V + rv, o.to(out.dtype.element_ty), mask=mv)
-            o = o.to(out.dtype.element_ty).to(tl.float32)
-            sumsq += tl.sum(tl.where(mv, o * o, 0.), 0)
-        rstd = 1. / tl.sqrt(sumsq / V + norm_eps)
-        tl.debug_barrier()  # the unnormalised output is read back by other threads
-        for i_v in range(tl.cdiv(V, BV)):
-            rv = i_v * BV + tl.arange(0, BV)
-            mv = rv < V
-            o = tl.load(out + i_bh * V + rv, mask=mv, other=0.).to(tl.float32)
-            gate = tl.load(x_row + 2 * H * K + H * V + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
-            y = o * rstd * tl.load(norm_w + rv, mask=mv, other=0.).to(tl.float32) * gate * tl.sigmoid(gate)
-            tl.store(out + i_bh * V + rv, y.to(out.dtype.element_ty), mask=mv)
 
 
 @triton.jit
@@ -949,16 +926,15 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
                          f"{state.dtype} {tuple(state.shape)}")
     out = torch.empty(B, H * V, device=xp.device, dtype=xp.dtype)
     scale = K ** -0.5 if scale is None else scale
-    BK, BV = _block_k(K), max(16, triton.next_power_of_2(V))
-    if BK * BV > 32768:  # the head's state as one tile would not fit in registers: walk V in blocks
-        BV = 64
-    # A_log, dt_bias, eta_bias as they are (a .float() here would be three copy kernels a layer and token)
+    # A_log, dt_bias, eta_bias as they are (a .float() here would be three copy kernels a layer and token).
+    # V in blocks of 64 with 4 warps: the head's whole state as one tile (16 warps) was slower on the H200,
+    # 14.3 against 11.8 us a call at batch 1 and 55 against 21 us at batch 64 (session 7, run E)
     _decode_mixer_kernel[(B * H,)](
         xp, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous(), A_log.contiguous(),
         dt_bias.contiguous(), eta_bias.contiguous(), norm_weight.contiguous(), state, out,
         xp.stride(0), float(scale), float(eps), float(norm_eps),
-        H=H, K=K, V=V, W=W, BK=BK, BV=BV, BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz),
-        num_warps=max(4, min(16, BK * BV // 2048)))
+        H=H, K=K, V=V, W=W, BK=_block_k(K), BV=min(64, max(16, triton.next_power_of_2(V))),
+        BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz), num_warps=4)
     return out
 
 

@@ -137,6 +137,9 @@ def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt
     for name, p in fused.named_parameters():  # norms' weights away from their initial ones: a lost one shows
         if "norm" in name:
             p.data.uniform_(0.5, 1.5)
+        elif block and p.dim() == 2 and "conv" not in name:  # projections at unit gain: what the block adds
+            p.data.normal_(0, p.shape[1] ** -0.5)  # to its input is then 0.8 of its size (at 0.02: 0.19), so
+            # that an error there shows in the output (the PyTorch path in bf16 on the CPU: 5.8e-3 off float64)
     ref = layer(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
     ref = ref.to(device).double().eval()
     ref.load_state_dict(fused.state_dict())
@@ -149,8 +152,7 @@ def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt
             c_f[key].copy_(c_r[key])
         y_f = fused(x[:, prompt:].to(dtype), c_f)
         y_r = ref(x[:, prompt:].double(), c_r)
-    x_new = x[:, prompt:]  # a block's output less its input: what it adds to the residual stream
-    errs = {"out": rel(y_f - x_new.to(dtype), y_r - x_new.double()) if block else rel(y_f, y_r)}
+    errs = {"out": rel(y_f, y_r)}
     errs.update({key: rel(c_f[key], c_r[key]) for key in ("state", "q_conv", "k_conv", "v_conv")})
     return errs
 

@@ -191,7 +191,7 @@ iter_num, best_val_loss, evals_since_best = 0, float("inf"), 0
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "resume":
     try:
-        checkpoint = read_checkpoint(ckpt_path, device)
+        checkpoint = read_checkpoint(ckpt_path)  # on the CPU (RNG states there; weights moved below)
     except ValueError as err:
         fail(str(err))
     # the backend is how the mixer is computed, not what it computes: it may change between runs
