@@ -9,6 +9,7 @@ Sections (comma-separated; default kernel,decode):
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
   tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
+  tune_decode  kernel.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
           (--compile=0,1; --lengths=2048 picks lengths): a training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
@@ -197,6 +198,45 @@ def section_tune(device, smoke):
     finally:
         kernel._seq_config, kernel._bwd_chunk_config, kernel._bwd_dqk_config = saved
     return "kernel.py variants (ms, do_bench median)", ["shape", "pass", "variant", "ms"], rows
+
+
+def section_tune_decode(device, smoke):
+    """kernel.decode_linear (batch-1 decoding's projections) on GPT-2 small's shapes, rows a program and warps
+    one variant at a time (kernel._linear_config replaced), against torch's F.linear (cuBLAS) on the same
+    weight; GPU time from a CUDA graph of 20 calls (triton.testing.do_bench_cudagraph), and the bandwidth the
+    weight's bytes give."""
+    shapes = [(40, 24)] if smoke else [(3472, 768), (768, 1152), (4096, 768), (768, 2048), (50304, 768)]
+    saved, rows = kernel._linear_config, []
+
+    def gpu_us(fn):
+        if smoke:
+            fn()
+            return float("nan")
+        return triton.testing.do_bench_cudagraph(lambda: [fn() for _ in range(20)]) * 1e3 / 20
+
+    try:
+        for N, K in shapes:
+            w = torch.randn(N, K, device=device, dtype=torch.float32 if smoke else torch.bfloat16) / K ** 0.5
+            x = torch.randn(1, K, device=device, dtype=w.dtype)
+            us = gpu_us(lambda: torch.nn.functional.linear(x, w))
+            rows.append([f"({N}, {K})", "F.linear (cuBLAS)", us, N * K * w.element_size() / us / 1e6])
+            print(rows[-1], flush=True)
+            BK = min(triton.next_power_of_2(K), 4096)
+            for bn in ((16,) if smoke else (1, 2, 4, 8, 16, 32)):
+                for nw in ((4,) if smoke else (1, 2, 4, 8)):
+                    kernel._linear_config = lambda N, K, bn=bn, nw=nw: (bn, BK, nw)
+                    try:
+                        us = gpu_us(lambda: kernel.decode_linear(x, w))
+                    except Exception as err:  # e.g. out of resources: that variant is out, the rest go on
+                        rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", type(err).__name__, ""])
+                        continue
+                    rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", us,
+                                 N * K * w.element_size() / us / 1e6])
+                    print(rows[-1], flush=True)
+            kernel._linear_config = saved
+    finally:
+        kernel._linear_config = saved
+    return "decode_linear variants, one token (us of GPU time a call)", ["(N, K)", "variant", "us", "TB/s"], rows
 
 
 def section_tune_seq(device, smoke):
@@ -647,7 +687,7 @@ def section_generate(device, smoke):
 
 
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,
-            "tune_seq": section_tune_seq,
+            "tune_seq": section_tune_seq, "tune_decode": section_tune_decode,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
             "prefill_profile": section_prefill_profile, "decode_profile": section_decode_profile,
             "generate": section_generate}

@@ -751,6 +751,18 @@ def _bwd_wy_warps(BK, fp32=False):
     return 4 if fp32 else 8
 
 
+def _linear_config(N, K):
+    """(rows a program, K block, warps) of _decode_linear_kernel: all of K requested at once up to 4096
+    columns, the most rows (<= 16) that keep a program's tile <= 16K elements and the grid >= 264 programs
+    (two an SM). Chosen by reasoning, not measured: on the H200 it moves GPT-2 small's projections at
+    0.9 TB/s (session 7, run F); `python3 bench.py --section=tune_decode` times the alternatives."""
+    BK = min(triton.next_power_of_2(K), 4096)
+    BN = 16
+    while BN > 1 and (BN * BK > 16384 or triton.cdiv(N, BN) < 264):
+        BN //= 2
+    return BN, BK, 4
+
+
 def _bwd_dqk_config(BK, V, fp32=False):
     """(key columns per program, value columns per step, warps) of _bwd_dqk_kernel (BKB 64, BV 32, 8 warps:
     no spills at K = 128; BV 64 with 4 warps spills 1044 B)."""
@@ -954,12 +966,9 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
     if residual is not None and (tuple(residual.shape) != (1, N) or not residual.is_contiguous()):
         raise ValueError(f"residual must be a contiguous (1, {N}) tensor, got {tuple(residual.shape)}")
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
-    BK = min(triton.next_power_of_2(K), 4096)
-    BN = 16  # as many rows as keep a program's tile <= 16K elements and the grid >= two programs an SM
-    while BN > 1 and (BN * BK > 16384 or triton.cdiv(N, BN) < 264):
-        BN //= 2
+    BN, BK, warps = _linear_config(N, K)
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
         float(norm_eps), NORM=norm_weight is not None, SWIGLU=bool(swiglu), RES=residual is not None, BN=BN, BK=BK,
-        num_warps=4)
+        num_warps=warps)
     return y
