@@ -754,11 +754,13 @@ def _bwd_wy_warps(BK, fp32=False):
 def _linear_config(N, K):
     """(rows a program, K block, warps) of _decode_linear_kernel: all of K requested at once up to 4096
     columns, the most rows (<= 16) that keep a program's tile <= 16K elements and the grid >= 264 programs
-    (two an SM). Chosen by reasoning, not measured: on the H200 it moves GPT-2 small's projections at
-    0.9 TB/s (session 7, run F); `python3 bench.py --section=tune_decode` times the alternatives."""
+    (two an SM) when N allows it (below 264 rows no grid fills the GPU: 16 rows a program, which also keeps
+    the tests' tiny models fast in the interpreter). Chosen by reasoning, not measured: on the H200 it moves
+    GPT-2 small's projections at 0.9 TB/s (session 7, run F); `python3 bench.py --section=tune_decode` times
+    the alternatives."""
     BK = min(triton.next_power_of_2(K), 4096)
     BN = 16
-    while BN > 1 and (BN * BK > 16384 or triton.cdiv(N, BN) < 264):
+    while BN > 1 and (BN * BK > 16384 or (N >= 264 and triton.cdiv(N, BN) < 264)):
         BN //= 2
     return BN, BK, 4
 

@@ -597,7 +597,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
 
 
 @pytest.mark.parametrize("mixer,batch,size", [("kla", 2, {}), ("gdn", 2, {}), ("kla", 1, {}), ("gdn", 1, {}),
-                                              ("kla", 1, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0))])
+                                              ("kla", 2, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0))])
 def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
     Triton backend; with the last size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
