@@ -29,13 +29,17 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
-Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
     _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
                        accumulators dO Vn^T and dU Vn^T, the gate terms of the loop, Uc = Diag(exp(b_C - b)) U.
     _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
                        beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E = Diag(beta) dA0.
     _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, two C x BKB accumulators.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
+    _decode_mixer_kernel  grid (B*H): one decoding token through the whole mixer between its projections
+                       (short convolutions, norms, eta, decay, beta, the state step, output norm and gate).
+    _decode_linear_kernel  grid (N / BN): batch-1 decoding's projections, with an RMSNorm or SwiGLU before
+                       and a residual add after.
+Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
 (fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
@@ -963,6 +967,8 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
                          f"{(N, K)}{' with swiglu' if swiglu else ''}, got {tuple(x.shape)}")
     if not weight.is_contiguous() or weight.dtype != x.dtype:
         raise ValueError(f"weight must be contiguous and of x's dtype {x.dtype}, got {weight.dtype}")
+    if norm_weight is not None and swiglu:
+        raise ValueError("decode_linear takes norm_weight or swiglu, not both")
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
     if residual is not None and (tuple(residual.shape) != (1, N) or not residual.is_contiguous()):

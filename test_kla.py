@@ -662,6 +662,8 @@ def test_decode_linear_errors_name_the_problem():
         kernel.decode_linear(torch.zeros(1, 16), w, norm_weight=torch.ones(8))
     with pytest.raises(ValueError, match="residual"):
         kernel.decode_linear(torch.zeros(1, 16), w, residual=torch.zeros(1, 16))
+    with pytest.raises(ValueError, match="not both"):
+        kernel.decode_linear(torch.zeros(1, 32), w, swiglu=True, norm_weight=torch.ones(16))
 
 
 def test_fused_decode_errors_name_the_tensor():
