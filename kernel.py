@@ -39,6 +39,10 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
                        (short convolutions, norms, eta, decay, beta, the state step, output norm and gate).
     _decode_linear_kernel  grid (N / BN): batch-1 decoding's projections, with an RMSNorm or SwiGLU before
                        and a residual add after.
+    _decode_in_proj_kernel, _decode_state_kernel, _decode_out_proj_kernel  batch-1 decoding's mixer with
+                       its projections in three kernels (kla_decode_mixer_split): the input projection and the
+                       short convolutions, the state step over value blocks (grid (V / BV, H)), the heads'
+                       RMSNorm and gate, the output projection and the residual.
 Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
@@ -630,34 +634,131 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
 
 @triton.jit
 def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-                          RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr):
     """y = W h (+ res) for one token, BN outputs a program: W (N, K) row-major (nn.Linear's weight); h is x,
     or RMSNorm(x) * norm_w (NORM), or SiLU(x[:K]) * x[K:] (SWIGLU). At batch 1 the product is a stream of
-    the weights: each program requests its rows' K columns at once (one step of the loop when K <= BK)."""
+    the weights: with K <= BK (ONE) each program requests its rows whole, before anything else, so that
+    their latency overlaps the input's; else it walks K in blocks of BK."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = rn < N
-    rstd = 1.
-    if NORM:
-        sumsq = tl.zeros([BK], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            h = tl.load(x + rk, mask=rk < K, other=0.).to(tl.float32)
-            sumsq += h * h
-        rstd = 1. / tl.sqrt(tl.sum(sumsq, 0) / K + norm_eps)
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
+    if ONE:
+        rk = tl.arange(0, BK)
         mk = rk < K
         wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
         h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
         if SWIGLU:
             h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
         if NORM:
-            h = h * rstd * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
+            h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
         h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
-        acc += tl.sum(wt.to(tl.float32) * h[None, :], 1)
+        acc = tl.sum(wt.to(tl.float32) * h[None, :], 1)
+    else:
+        rstd = 1.
+        if NORM:
+            sumsq = tl.zeros([BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                h = tl.load(x + rk, mask=rk < K, other=0.).to(tl.float32)
+                sumsq += h * h
+            rstd = 1. / tl.sqrt(tl.sum(sumsq, 0) / K + norm_eps)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < K
+            wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+            h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
+            if SWIGLU:
+                h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
+            if NORM:
+                h = h * rstd * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
+            h = h.to(x.dtype.element_ty).to(tl.float32)
+            acc += tl.sum(wt.to(tl.float32) * h[None, :], 1)
     if RES:
         acc = acc.to(y.dtype.element_ty).to(tl.float32) + tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
+    tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm_eps, HK: tl.constexpr,
+                           HV: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr):
+    """Batch-1 decoding, the mixer's input projection with what surrounds it, BN outputs a program (K <= BK):
+    y = W (RMSNorm(x) * norm_w), then on the q, k, v channels (the first 2 HK + HV outputs) the short
+    convolutions + SiLU, their buffers shifted in place (each channel is one program's), so that the state
+    kernel after it can split a head's values over programs without racing on the buffers."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = rn < N
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+    h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
+    h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
+    h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
+    acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
+    iq = rn < HK
+    ik = (rn >= HK) & (rn < 2 * HK)
+    iv = (rn >= 2 * HK) & (rn < 2 * HK + HV)
+    yq = _conv_step(acc, cq, wq, 0, HK, rn, iq, W, BW)
+    yk = _conv_step(acc, ckk, wk, 0, HK, rn - HK, ik, W, BW)
+    yv = _conv_step(acc, cvv, wv, 0, HV, rn - 2 * HK, iv, W, BW)
+    acc = tl.where(iq, yq, tl.where(ik, yk, tl.where(iv, yv, acc)))
+    tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, scale, eps, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr):
+    """Batch-1 decoding, grid (V / BV, H): one token's delta-rule step on BV value columns of one head's state
+    (in place), from xc = [q | k | v | gate | eta | decay], the input projection's output after its
+    convolutions: q (and for GDN k) normalised, eta, the decay, beta; o the unnormalised output (the output
+    projection's kernel applies the head's RMSNorm and gate)."""
+    i_v, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk, mv = rk < K, rv < V
+    offs = i_h * K * V + rk[:, None] * V + rv[None, :]
+    ms = mk[:, None] & mv[None, :]
+    S = tl.load(state + offs, mask=ms, other=0.)  # first: it does not depend on the rest
+    q = tl.load(xc + i_h * K + rk, mask=mk, other=0.).to(tl.float32)
+    k = tl.load(xc + H * K + i_h * K + rk, mask=mk, other=0.).to(tl.float32)
+    v = tl.load(xc + 2 * H * K + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
+    eta = tl.sigmoid(tl.load(xc + 2 * H * K + 2 * H * V + i_h).to(tl.float32) + tl.load(eta_bias + i_h).to(tl.float32))
+    a = tl.load(xc + 2 * H * K + 2 * H * V + H + i_h).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    g = -tl.exp(tl.load(a_log + i_h).to(tl.float32)) * tl.where(a > 20., a, tl.log(1. + tl.exp(a)))  # softplus
+    q = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-12)
+    beta = eta
+    if KACZ:
+        r2 = tl.sum(k * k, 0) + eps
+        beta = tl.where(r2 > 0, eta / r2, 0.)
+    else:
+        k = k / tl.maximum(tl.sqrt(tl.sum(k * k, 0)), 1e-12)
+    S = S * tl.exp(g)
+    e = v - tl.sum(S * k[:, None], 0)
+    S += (beta * k)[:, None] * e[None, :]
+    tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
+    tl.store(o + i_h * V + rv, (tl.sum(S * q[:, None], 0) * scale).to(o.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _decode_out_proj_kernel(o, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.constexpr, V: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr):
+    """Batch-1 decoding, the mixer's output projection with what precedes and follows it, BN outputs a
+    program (K = H V <= BK): y = W (RMSNorm of each head's V values of o * norm_w * SiLU(gate)) + res."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    mn = rn < N
+    rk = tl.arange(0, BK)
+    mk = rk < K
+    wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+    h = tl.load(o + rk, mask=mk, other=0.).to(tl.float32)
+    gt = tl.load(gate + rk, mask=mk, other=0.).to(tl.float32)
+    head = rk // V
+    rstd = tl.zeros([BK], dtype=tl.float32)
+    for j in tl.static_range(H):  # each head's mean square, spread over its columns
+        ms = tl.sum(tl.where(head == j, h * h, 0.), 0) / V
+        rstd = tl.where(head == j, 1. / tl.sqrt(ms + norm_eps), rstd)
+    h = h * rstd * tl.load(norm_w + rk % V, mask=mk, other=0.).to(tl.float32) * gt * tl.sigmoid(gt)
+    h = h.to(o.dtype.element_ty).to(tl.float32)
+    acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
+    acc += tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
     tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
 
 
@@ -978,5 +1079,60 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
         float(norm_eps), NORM=norm_weight is not None, SWIGLU=bool(swiglu), RES=residual is not None, BN=BN, BK=BK,
+        ONE=K <= BK, num_warps=warps)
+    return y
+
+
+def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias,
+                           eta_bias, state, o_norm_weight, o_proj_weight, *, n_head, eps=1e-6, norm_eps=1e-6,
+                           scale=None, kaczmarz=True):
+    """One token at batch 1 through RMSNorm, the KLA (or GDN) mixer and its output projection, plus the
+    residual: x + o_proj(mixer(RMSNorm(x) * norm1_weight)), as three kernels whose middle one splits each head's
+    values over programs: the input projection with the short convolutions after it (_decode_in_proj_kernel),
+    the state step (_decode_state_kernel, grid (V / BV, H)), the output projection with each head's RMSNorm
+    and SiLU(gate) before it and the residual after (_decode_out_proj_kernel). x (1, d); in_proj_weight
+    (>= 2 H K + 2 H V + 2 H, d), its outputs [q | k | v | gate | eta | decay | padding]; the convolution
+    buffers (1, W - 1, channels) and the state (1, H, K, V) float32 updated in place; o_proj_weight (d, H V).
+    model.Block computes the same in PyTorch."""
+    H = n_head
+    (HK, W), HV = w_q.shape, w_v.shape[0]
+    K, V = HK // H, HV // H
+    d = x.shape[-1]
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous (1, d) tensor, got {tuple(x.shape)}")
+    for name, t in (("in_proj_weight", in_proj_weight), ("o_proj_weight", o_proj_weight)):
+        if not t.is_contiguous() or t.dtype != x.dtype:
+            raise ValueError(f"{name} must be contiguous and of x's dtype {x.dtype}, got {t.dtype}")
+    if in_proj_weight.shape[1] != d or in_proj_weight.shape[0] < 2 * HK + 2 * HV + 2 * H:
+        raise ValueError(f"in_proj_weight must be (>= {2 * HK + 2 * HV + 2 * H}, {d}), got {tuple(in_proj_weight.shape)}")
+    if tuple(o_proj_weight.shape) != (d, HV):
+        raise ValueError(f"o_proj_weight must be ({d}, {HV}), got {tuple(o_proj_weight.shape)}")
+    for name, buf, C in (("conv_q", conv_q, HK), ("conv_k", conv_k, HK), ("conv_v", conv_v, HV)):
+        if buf.shape != (1, W - 1, C) or not buf.is_contiguous() or buf.dtype != x.dtype:
+            raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {(1, W - 1, C)}, got "
+                             f"{buf.dtype} {tuple(buf.shape)}{'' if buf.is_contiguous() else ' (strided)'}")
+    if state.shape != (1, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 tensor of shape {(1, H, K, V)}, got "
+                         f"{state.dtype} {tuple(state.shape)}")
+    N = in_proj_weight.shape[0]
+    xc = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    BN, BK, warps = _linear_config(N, d)
+    if BK < d:
+        raise ValueError(f"kla_decode_mixer_split takes a width d <= 4096, got {d}")
+    _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
+        x, in_proj_weight, norm1_weight, xc, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(),
+        w_v.contiguous(), N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
+        BW=max(2, triton.next_power_of_2(W)), num_warps=warps)
+    o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
+    BV = 32
+    _decode_state_kernel[(triton.cdiv(V, BV), H)](
+        xc, A_log, dt_bias, eta_bias, state, o, float(K ** -0.5 if scale is None else scale), float(eps),
+        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4)
+    y = torch.empty(1, d, device=x.device, dtype=x.dtype)
+    BN, BK, warps = _linear_config(d, HV)
+    if BK < HV:
+        raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
+    _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
+        o, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(norm_eps), H=H, V=V, BN=BN, BK=BK,
         num_warps=warps)
     return y

@@ -414,12 +414,16 @@ class Block(nn.Module):
 
     @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
     def _decode_fused(self, x, st):
-        """forward for one token at batch 1 as five kernels: RMSNorm + the mixer's input projection; the mixer
-        (kernel.kla_decode_mixer); its output projection + the residual; RMSNorm + the MLP's first projection;
-        SwiGLU + the MLP's second projection + the residual (kernel.decode_linear)."""
-        m, x1 = self.mixer, x.view(1, -1)
-        xp = _kernel.decode_linear(x1, m.in_proj.weight, norm_weight=self.norm1.weight, norm_eps=self.norm1.eps)
-        x1 = _kernel.decode_linear(m._decode_fused(xp, st), m.o_proj.weight, residual=x1)
+        """forward for one token at batch 1 as five kernels: RMSNorm + the mixer's input projection + the short
+        convolutions; the state step, each head's values over several programs; the head's RMSNorm and gate +
+        the output projection + the residual (kernel.kla_decode_mixer_split); RMSNorm + the MLP's first
+        projection; SwiGLU + the MLP's second projection + the residual (kernel.decode_linear)."""
+        m = self.mixer
+        x1 = _kernel.kla_decode_mixer_split(
+            x.view(1, -1), self.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"],
+            m.q_conv.weight, m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"],
+            m.o_norm.weight, m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=self.norm1.eps,
+            kaczmarz=m.kaczmarz)
         h = _kernel.decode_linear(x1, self.mlp.gate_up.weight, norm_weight=self.norm2.weight, norm_eps=self.norm2.eps)
         return _kernel.decode_linear(h, self.mlp.down.weight, swiglu=True, residual=x1).view_as(x)
 

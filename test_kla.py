@@ -625,7 +625,7 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
-    assert len(calls) == (4 * 2 * 5 if batch == 1 else 0)  # batch 1: four projections, two layers, five tokens
+    assert len(calls) == (2 * 2 * 5 if batch == 1 else 0)  # batch 1: the MLP's two projections, two layers, five tokens
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
@@ -664,6 +664,24 @@ def test_decode_linear_errors_name_the_problem():
         kernel.decode_linear(torch.zeros(1, 16), w, residual=torch.zeros(1, 16))
     with pytest.raises(ValueError, match="not both"):
         kernel.decode_linear(torch.zeros(1, 32), w, swiglu=True, norm_weight=torch.ones(16))
+
+
+def test_split_decode_errors_name_the_tensor():
+    """kernel.kla_decode_mixer_split (batch-1 decoding of norm, mixer and output projection) names what is wrong."""
+    H, K, V, W, d = 2, 16, 32, 4, 24
+    x = torch.zeros(1, d)
+    w_in, w_out = torch.zeros(2 * H * K + 2 * H * V + 2 * H, d), torch.zeros(d, H * V)
+    cq, ck, cv = torch.zeros(1, W - 1, H * K), torch.zeros(1, W - 1, H * K), torch.zeros(1, W - 1, H * V)
+    cw = [torch.zeros(H * K, W), torch.zeros(H * K, W), torch.zeros(H * V, W)]
+    vec, state = [torch.zeros(H)] * 3, torch.zeros(1, H, K, V)
+    args = lambda **kw: {**dict(x=x, norm1_weight=torch.ones(d), in_proj_weight=w_in, conv_q=cq, conv_k=ck, conv_v=cv,
+                                w_q=cw[0], w_k=cw[1], w_v=cw[2], A_log=vec[0], dt_bias=vec[1], eta_bias=vec[2],
+                                state=state, o_norm_weight=torch.ones(V), o_proj_weight=w_out), **kw}
+    for bad, match in [(dict(x=torch.zeros(2, d)), "x must"), (dict(in_proj_weight=w_in[:-1]), "in_proj_weight"),
+                       (dict(o_proj_weight=w_out.T.contiguous()), "o_proj_weight"), (dict(conv_k=cq[:, 1:]), "conv_k"),
+                       (dict(state=state.double()), "state"), (dict(o_proj_weight=w_out.double()), "o_proj_weight")]:
+        with pytest.raises(ValueError, match=match):
+            kernel.kla_decode_mixer_split(**args(**bad), n_head=H)
 
 
 def test_fused_decode_errors_name_the_tensor():
