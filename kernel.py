@@ -857,17 +857,19 @@ def _bwd_wy_warps(BK, fp32=False):
 
 
 def _linear_config(N, K):
-    """(rows a program, K block, warps) of _decode_linear_kernel: all of K requested at once up to 4096
-    columns, the most rows (<= 16) that keep a program's tile <= 16K elements and the grid >= 264 programs
-    (two an SM) when N allows it (below 264 rows no grid fills the GPU: 16 rows a program, which also keeps
-    the tests' tiny models fast in the interpreter). Chosen by reasoning, not measured: on the H200 it moves
-    GPT-2 small's projections at 0.9 TB/s (session 7, run F); `python3 bench.py --section=tune_decode` times
-    the alternatives."""
+    """(rows a program, K block, warps) of the batch-1 decoding projections (_decode_linear_kernel and the
+    mixer's _decode_in_proj_kernel / _decode_out_proj_kernel): all of K requested at once up to 4096 columns,
+    2 rows a program, 4 warps up to K = 1024 and 8 above. From `python3 bench.py --section=tune_decode`
+    (session 8 run A, H200, each weight read from HBM), us a call, this config against the best of 24
+    (rows 1-32 x warps 1-8) and cuBLAS: (3472, 768) 3.37 (best) / 4.68; (768, 1152) 2.48 (best) / 5.23;
+    (4096, 768) 3.62 (best) / 4.85; (768, 2048) 2.85 against 2.84 / 7.54; (50304, 768) 20.2 against 19.5 /
+    21.9; session 7's config (8 rows at 768 columns, 4 warps) took 4.0, 3.6, 4.2, 3.6, 21.4. Below 264
+    outputs (no GPU-sized model) 16 rows a program, which keeps the tests' tiny models fast in the
+    interpreter."""
     BK = min(triton.next_power_of_2(K), 4096)
-    BN = 16
-    while BN > 1 and (BN * BK > 16384 or (N >= 264 and triton.cdiv(N, BN) < 264)):
-        BN //= 2
-    return BN, BK, 4
+    if N < 264:
+        return 16, BK, 4
+    return 2, BK, 4 if BK <= 1024 else 8
 
 
 def _bwd_dqk_config(BK, V, fp32=False):

@@ -469,12 +469,20 @@ class GPT(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
+        if targets is None and cache is not None and x.shape[:2] == (1, 1) and self.blocks[-1]._decodes_fused(x, cache[-1]):
+            return self._decode_head(x), None
         x = self.norm_f(x)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    @torch.compiler.disable
+    def _decode_head(self, x):
+        """norm_f + lm_head for one token at batch 1 as one kernel (kernel.decode_linear), beside the blocks'."""
+        return _kernel.decode_linear(x.view(1, -1), self.lm_head.weight, norm_weight=self.norm_f.weight,
+                                     norm_eps=self.norm_f.eps).view(1, 1, -1)
 
     def new_cache(self):
         return [dict() for _ in self.blocks]

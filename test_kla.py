@@ -601,7 +601,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
 def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
     Triton backend; with the last size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
-    as five kernels (model.Block._decode_fused, kernel.decode_linear) against the same model decoding
+    as five kernels and the head as one (model.Block._decode_fused, kernel.decode_linear) against the same model decoding
     through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
     buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
@@ -625,7 +625,7 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
-    assert len(calls) == (2 * 2 * 5 if batch == 1 else 0)  # batch 1: the MLP's two projections, two layers, five tokens
+    assert len(calls) == ((2 * 2 + 1) * 5 if batch == 1 else 0)  # batch 1: the MLP's two projections in two layers, the head; five tokens
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
