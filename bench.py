@@ -21,6 +21,7 @@ Sections (comma-separated; default kernel,decode):
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
+--pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel.DECODE_PDL).
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -656,7 +657,8 @@ def section_generate(device, smoke):
             model_module.SDPA_BACKENDS = model_module.SDPA_BACKENDS + [model_module.SDPBackend.CUDNN_ATTENTION]
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
             + (" (all SDPA backends)" if all_backends else "") \
-            + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "")
+            + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
+            + (" (no PDL)" if mixer != "attn" and not kernel.DECODE_PDL else "")
         for batch in ((1,) if all_backends else (1, 64)):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
@@ -769,6 +771,8 @@ def main():
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if ARGS.get("pdl") == "0":  # batch-1 decoding's kernels launched plainly instead of as dependent launches
+        kernel.DECODE_PDL = False
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
         kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused
     device = "cpu" if smoke else "cuda"

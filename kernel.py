@@ -51,6 +51,9 @@ computed matrix (E^T K of the WY backward and dA^T Q) load E and dA o Gamma tran
 _bwd_wy_kernel wrote.
 """
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -633,18 +636,34 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
 
 
 @triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Batch-1 decoding's kernels are launched as programmatic dependent launches (Hopper; DECODE_PDL): a
+    kernel may start while the one before it runs, and requests what no kernel writes (its weights) before
+    this wait for the previous kernel's completion and memory; everything else it reads or writes comes
+    after. Then it lets the next kernel start. As each kernel lets the next one start only after its own
+    wait, a kernel starts only once the kernel two before it has completed."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-                          RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr):
+                          RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr,
+                          PDL: tl.constexpr):
     """y = W h (+ res) for one token, BN outputs a program: W (N, K) row-major (nn.Linear's weight); h is x,
     or RMSNorm(x) * norm_w (NORM), or SiLU(x[:K]) * x[K:] (SWIGLU). At batch 1 the product is a stream of
     the weights: with K <= BK (ONE) each program requests its rows whole, before anything else, so that
-    their latency overlaps the input's; else it walks K in blocks of BK."""
+    their latency overlaps the input's; else it walks K in blocks of BK. PDL (launched as a programmatic
+    dependent launch): the weights, which no kernel writes, are requested before waiting for the previous
+    kernel (_pdl_wait), so that they stream in while it finishes."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = rn < N
     if ONE:
         rk = tl.arange(0, BK)
         mk = rk < K
         wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+        _pdl_wait(PDL)
         h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
         if SWIGLU:
             h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
@@ -653,6 +672,7 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
         h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
         acc = tl.sum(wt.to(tl.float32) * h[None, :], 1)
     else:
+        _pdl_wait(PDL)
         rstd = 1.
         if NORM:
             sumsq = tl.zeros([BK], dtype=tl.float32)
@@ -680,7 +700,8 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
 
 @triton.jit
 def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm_eps, HK: tl.constexpr,
-                           HV: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr):
+                           HV: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
+                           PDL: tl.constexpr):
     """Batch-1 decoding, the mixer's input projection with what surrounds it, BN outputs a program (K <= BK):
     y = W (RMSNorm(x) * norm_w), then on the q, k, v channels (the first 2 HK + HV outputs) the short
     convolutions + SiLU, their buffers shifted in place (each channel is one program's), so that the state
@@ -690,6 +711,7 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm
     rk = tl.arange(0, BK)
     mk = rk < K
     wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+    _pdl_wait(PDL)
     h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
     h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
     h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
@@ -706,7 +728,8 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm
 
 @triton.jit
 def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, scale, eps, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr):
+                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr,
+                         PDL: tl.constexpr):
     """Batch-1 decoding, grid (V / BV, H): one token's delta-rule step on BV value columns of one head's state
     (in place), from xc = [q | k | v | gate | eta | decay], the input projection's output after its
     convolutions: q (and for GDN k) normalised, eta, the decay, beta; o the unnormalised output (the output
@@ -717,7 +740,10 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, scale, eps, H: 
     mk, mv = rk < K, rv < V
     offs = i_h * K * V + rk[:, None] * V + rv[None, :]
     ms = mk[:, None] & mv[None, :]
-    S = tl.load(state + offs, mask=ms, other=0.)  # first: it does not depend on the rest
+    # first: it does not depend on the rest (with PDL, before the wait: the state's last writer is this
+    # kernel at the previous token, complete before the kernel this one waits for started: see _pdl_wait)
+    S = tl.load(state + offs, mask=ms, other=0.)
+    _pdl_wait(PDL)
     q = tl.load(xc + i_h * K + rk, mask=mk, other=0.).to(tl.float32)
     k = tl.load(xc + H * K + i_h * K + rk, mask=mk, other=0.).to(tl.float32)
     v = tl.load(xc + 2 * H * K + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
@@ -740,7 +766,7 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, scale, eps, H: 
 
 @triton.jit
 def _decode_out_proj_kernel(o, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.constexpr, V: tl.constexpr,
-                            BN: tl.constexpr, BK: tl.constexpr):
+                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """Batch-1 decoding, the mixer's output projection with what precedes and follows it, BN outputs a
     program (K = H V <= BK): y = W (RMSNorm of each head's V values of o * norm_w * SiLU(gate)) + res."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -748,6 +774,7 @@ def _decode_out_proj_kernel(o, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.co
     rk = tl.arange(0, BK)
     mk = rk < K
     wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+    _pdl_wait(PDL)
     h = tl.load(o + rk, mask=mk, other=0.).to(tl.float32)
     gt = tl.load(gate + rk, mask=mk, other=0.).to(tl.float32)
     head = rk // V
@@ -1059,6 +1086,29 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
     return out
 
 
+# Batch-1 decoding's kernels (decode_linear, kla_decode_mixer_split) as programmatic dependent launches on
+# Hopper and later (see _pdl_wait); bench.py --pdl=0 turns it off to time the difference
+DECODE_PDL = True
+
+
+def _pdl(x):
+    """The launch options of a batch-1 decoding kernel: PDL=True with launch_pdl where DECODE_PDL applies."""
+    on = (DECODE_PDL and x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+          and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+@functools.lru_cache
+def _pdl_device(index):
+    """Whether this GPU (compute capability 9 or more) and this Triton (gdc_wait, the launch_pdl option) do PDL."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        triton_has = hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except (ImportError, AttributeError):
+        triton_has = False
+    return triton_has and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None):
     """One token's linear layer as one kernel, for decoding at batch 1: y = h W^T (+ residual), where h is
     x, or RMSNorm(x) * norm_weight (norm_weight given), or SiLU(a) * b for x = [a | b] (swiglu). x (1, K),
@@ -1081,7 +1131,7 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
         float(norm_eps), NORM=norm_weight is not None, SWIGLU=bool(swiglu), RES=residual is not None, BN=BN, BK=BK,
-        ONE=K <= BK, num_warps=warps)
+        ONE=K <= BK, num_warps=warps, **_pdl(x))
     return y
 
 
@@ -1124,17 +1174,17 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
     _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
         x, in_proj_weight, norm1_weight, xc, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(),
         w_v.contiguous(), N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
-        BW=max(2, triton.next_power_of_2(W)), num_warps=warps)
+        BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **_pdl(x))
     o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
     BV = 32
     _decode_state_kernel[(triton.cdiv(V, BV), H)](
         xc, A_log, dt_bias, eta_bias, state, o, float(K ** -0.5 if scale is None else scale), float(eps),
-        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4)
+        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **_pdl(x))
     y = torch.empty(1, d, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(d, HV)
     if BK < HV:
         raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
     _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
         o, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(norm_eps), H=H, V=V, BN=BN, BK=BK,
-        num_warps=warps)
+        num_warps=warps, **_pdl(x))
     return y
