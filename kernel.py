@@ -705,35 +705,51 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm
     """Batch-1 decoding, the mixer's input projection with what surrounds it, BN outputs a program (K <= BK):
     y = W (RMSNorm(x) * norm_w), then on the q, k, v channels (the first 2 HK + HV outputs) the short
     convolutions + SiLU, their buffers shifted in place (each channel is one program's), so that the state
-    kernel after it can split a head's values over programs without racing on the buffers."""
+    kernel after it can split a head's values over programs without racing on the buffers. Each output row
+    finds its channel's buffer and weights by pointer (one convolution step for q, k and v rows alike), and
+    they are requested with the weights, before the wait: only this kernel writes the buffers, at the
+    previous token, which completed before the kernel this one waits for started (_pdl_wait)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = rn < N
     rk = tl.arange(0, BK)
     mk = rk < K
     wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+    iq = rn < HK
+    ik = (rn >= HK) & (rn < 2 * HK)
+    iv = (rn >= 2 * HK) & (rn < 2 * HK + HV)
+    conv = iq | ik | iv
+    ch = tl.where(iq, rn, tl.where(ik, rn - HK, rn - 2 * HK))  # the row's channel in its q, k or v buffer
+    C = tl.where(iv, HV, HK)  # that buffer's row length
+    buf = tl.where(iq, cq, tl.where(ik, ckk, cvv)) + ch  # (BN,) pointers: row 0 of the channel's window
+    cw = tl.where(iq, wq, tl.where(ik, wk, wv)) + ch * W
+    rw = tl.arange(0, BW)
+    inside = (rw[:, None] < W - 1) & conv[None, :]
+    win = tl.load(buf[None, :] + rw[:, None] * C[None, :], mask=inside, other=0.)  # (BW, BN), the last W - 1 inputs
+    nxt = tl.load(buf[None, :] + (rw[:, None] + 1) * C[None, :], mask=(rw[:, None] < W - 2) & conv[None, :], other=0.)
+    cwt = tl.load(cw[None, :] + rw[:, None], mask=(rw[:, None] < W) & conv[None, :], other=0.).to(tl.float32)
     _pdl_wait(PDL)
     h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
     h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
     h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
     acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
-    iq = rn < HK
-    ik = (rn >= HK) & (rn < 2 * HK)
-    iv = (rn >= 2 * HK) & (rn < 2 * HK + HV)
-    yq = _conv_step(acc, cq, wq, 0, HK, rn, iq, W, BW)
-    yk = _conv_step(acc, ckk, wk, 0, HK, rn - HK, ik, W, BW)
-    yv = _conv_step(acc, cvv, wv, 0, HV, rn - 2 * HK, iv, W, BW)
-    acc = tl.where(iq, yq, tl.where(ik, yk, tl.where(iv, yv, acc)))
+    win = tl.where(rw[:, None] == W - 1, acc[None, :], win.to(tl.float32))  # row W - 1: the new input
+    yc = tl.sum(win * cwt, 0)
+    nxt = tl.where(rw[:, None] == W - 2, acc[None, :].to(nxt.dtype), nxt)  # the window shifted by one row
+    tl.debug_barrier()  # every thread has read the window before any row is overwritten
+    tl.store(buf[None, :] + rw[:, None] * C[None, :], nxt, mask=inside)
+    acc = tl.where(conv, yc * tl.sigmoid(yc), acc)
     tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
 
 
 @triton.jit
-def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, scale, eps, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr,
+def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, scale, eps, H: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr,
                          PDL: tl.constexpr):
     """Batch-1 decoding, grid (V / BV, H): one token's delta-rule step on BV value columns of one head's state
     (in place), from xc = [q | k | v | gate | eta | decay], the input projection's output after its
-    convolutions: q (and for GDN k) normalised, eta, the decay, beta; o the unnormalised output (the output
-    projection's kernel applies the head's RMSNorm and gate)."""
+    convolutions: q (and for GDN k) normalised, eta, the decay, beta; o the unnormalised output, and ssq
+    (H, V / BV) the sums of squares of its BV values as o holds them (the output projection's kernel applies
+    the head's RMSNorm and gate from them)."""
     i_v, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
@@ -761,14 +777,18 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, scale, eps, H: 
     e = v - tl.sum(S * k[:, None], 0)
     S += (beta * k)[:, None] * e[None, :]
     tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
-    tl.store(o + i_h * V + rv, (tl.sum(S * q[:, None], 0) * scale).to(o.dtype.element_ty), mask=mv)
+    out = (tl.sum(S * q[:, None], 0) * scale).to(o.dtype.element_ty)
+    tl.store(o + i_h * V + rv, out, mask=mv)
+    out = tl.where(mv, out.to(tl.float32), 0.)
+    tl.store(ssq + i_h * tl.num_programs(0) + i_v, tl.sum(out * out, 0))
 
 
 @triton.jit
-def _decode_out_proj_kernel(o, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.constexpr, V: tl.constexpr,
-                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _decode_out_proj_kernel(o, ssq, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.constexpr, V: tl.constexpr,
+                            NV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """Batch-1 decoding, the mixer's output projection with what precedes and follows it, BN outputs a
-    program (K = H V <= BK): y = W (RMSNorm of each head's V values of o * norm_w * SiLU(gate)) + res."""
+    program (K = H V <= BK): y = W (RMSNorm of each head's V values of o * norm_w * SiLU(gate)) + res, each
+    head's mean square from the state kernel's NV partial sums ssq (H, NV)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = rn < N
     rk = tl.arange(0, BK)
@@ -778,11 +798,10 @@ def _decode_out_proj_kernel(o, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.co
     h = tl.load(o + rk, mask=mk, other=0.).to(tl.float32)
     gt = tl.load(gate + rk, mask=mk, other=0.).to(tl.float32)
     head = rk // V
-    rstd = tl.zeros([BK], dtype=tl.float32)
-    for j in tl.static_range(H):  # each head's mean square, spread over its columns
-        ms = tl.sum(tl.where(head == j, h * h, 0.), 0) / V
-        rstd = tl.where(head == j, 1. / tl.sqrt(ms + norm_eps), rstd)
-    h = h * rstd * tl.load(norm_w + rk % V, mask=mk, other=0.).to(tl.float32) * gt * tl.sigmoid(gt)
+    sumsq = tl.zeros([BK], dtype=tl.float32)
+    for j in tl.static_range(NV):  # each column's head's sum of squares: NV independent (cached) loads
+        sumsq += tl.load(ssq + head * NV + j, mask=mk, other=0.)
+    h = h / tl.sqrt(sumsq / V + norm_eps) * tl.load(norm_w + rk % V, mask=mk, other=0.).to(tl.float32) * gt * tl.sigmoid(gt)
     h = h.to(o.dtype.element_ty).to(tl.float32)
     acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
     acc += tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
@@ -1159,6 +1178,8 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
         raise ValueError(f"in_proj_weight must be (>= {2 * HK + 2 * HV + 2 * H}, {d}), got {tuple(in_proj_weight.shape)}")
     if tuple(o_proj_weight.shape) != (d, HV):
         raise ValueError(f"o_proj_weight must be ({d}, {HV}), got {tuple(o_proj_weight.shape)}")
+    if not w_q.dtype == w_k.dtype == w_v.dtype:
+        raise ValueError(f"the convolution weights must share a dtype, got {w_q.dtype}, {w_k.dtype}, {w_v.dtype}")
     for name, buf, C in (("conv_q", conv_q, HK), ("conv_k", conv_k, HK), ("conv_v", conv_v, HV)):
         if buf.shape != (1, W - 1, C) or not buf.is_contiguous() or buf.dtype != x.dtype:
             raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {(1, W - 1, C)}, got "
@@ -1177,14 +1198,16 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
         BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **_pdl(x))
     o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
     BV = 32
+    ssq = torch.empty(H, triton.cdiv(V, BV), device=x.device, dtype=torch.float32)
     _decode_state_kernel[(triton.cdiv(V, BV), H)](
-        xc, A_log, dt_bias, eta_bias, state, o, float(K ** -0.5 if scale is None else scale), float(eps),
+        xc, A_log, dt_bias, eta_bias, state, o, ssq, float(K ** -0.5 if scale is None else scale), float(eps),
         H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **_pdl(x))
     y = torch.empty(1, d, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(d, HV)
     if BK < HV:
         raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
     _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
-        o, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(norm_eps), H=H, V=V, BN=BN, BK=BK,
+        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(norm_eps), H=H, V=V,
+        NV=ssq.shape[1], BN=BN, BK=BK,
         num_warps=warps, **_pdl(x))
     return y

@@ -597,16 +597,19 @@ def test_model_on_the_kernel_matches_the_reference_path():
 
 
 @pytest.mark.parametrize("mixer,batch,size", [("kla", 2, {}), ("gdn", 2, {}), ("kla", 1, {}), ("gdn", 1, {}),
-                                              ("kla", 2, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0))])
+                                              ("kla", 2, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0)),
+                                              ("kla", 1, dict(conv_size=3, expand_v=4.0))])
 def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
-    Triton backend; with the last size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
+    Triton backend; with the fifth size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
+    (the last size: a convolution of 3 in a block of 4, d_v 64 in two value blocks of the state kernel)
     as five kernels and the head as one (model.Block._decode_fused, kernel.decode_linear) against the same model decoding
     through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
     buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
-    fused = GPT(tiny_config(mixer, backend="triton", conv_size=4, **size))
-    plain = GPT(tiny_config(mixer, backend="triton", conv_size=4, decode_fused=False, **size))
+    size = {"conv_size": 4, **size}
+    fused = GPT(tiny_config(mixer, backend="triton", **size))
+    plain = GPT(tiny_config(mixer, backend="triton", decode_fused=False, **size))
     plain.load_state_dict(fused.state_dict())
     for m in (fused, plain):
         m.set_backend("cpu")
