@@ -1156,7 +1156,7 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
 
 def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias,
                            eta_bias, state, o_norm_weight, o_proj_weight, *, n_head, eps=1e-6, norm_eps=1e-6,
-                           scale=None, kaczmarz=True):
+                           o_norm_eps=None, scale=None, kaczmarz=True):
     """One token at batch 1 through RMSNorm, the KLA (or GDN) mixer and its output projection, plus the
     residual: x + o_proj(mixer(RMSNorm(x) * norm1_weight)), as three kernels whose middle one splits each head's
     values over programs: the input projection with the short convolutions after it (_decode_in_proj_kernel),
@@ -1164,8 +1164,10 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
     and SiLU(gate) before it and the residual after (_decode_out_proj_kernel). x (1, d); in_proj_weight
     (>= 2 H K + 2 H V + 2 H, d), its outputs [q | k | v | gate | eta | decay | padding]; the convolution
     buffers (1, W - 1, channels) and the state (1, H, K, V) float32 updated in place; o_proj_weight (d, H V).
+    norm_eps is the input RMSNorm's epsilon, o_norm_eps the heads' (norm_eps when None).
     model.Block computes the same in PyTorch."""
     H = n_head
+    o_norm_eps = norm_eps if o_norm_eps is None else o_norm_eps
     (HK, W), HV = w_q.shape, w_v.shape[0]
     K, V = HK // H, HV // H
     d = x.shape[-1]
@@ -1207,7 +1209,7 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
     if BK < HV:
         raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
     _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
-        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(norm_eps), H=H, V=V,
+        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(o_norm_eps), H=H, V=V,
         NV=ssq.shape[1], BN=BN, BK=BK,
         num_warps=warps, **_pdl(x))
     return y

@@ -423,7 +423,7 @@ class Block(nn.Module):
             x.view(1, -1), self.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"],
             m.q_conv.weight, m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"],
             m.o_norm.weight, m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=self.norm1.eps,
-            kaczmarz=m.kaczmarz)
+            o_norm_eps=m.o_norm.eps, kaczmarz=m.kaczmarz)
         h = _kernel.decode_linear(x1, self.mlp.gate_up.weight, norm_weight=self.norm2.weight, norm_eps=self.norm2.eps)
         return _kernel.decode_linear(h, self.mlp.down.weight, swiglu=True, residual=x1).view_as(x)
 
