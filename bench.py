@@ -204,9 +204,9 @@ def section_tune(device, smoke):
 def section_tune_decode(device, smoke):
     """kernel.decode_linear (batch-1 decoding's projections) on GPT-2 small's shapes, rows a program and warps
     one variant at a time (kernel._linear_config replaced), against torch's F.linear (cuBLAS) on the same
-    weight; GPU time from a CUDA graph of 20 calls (triton.testing.do_bench_cudagraph), and the bandwidth the
-    weight's bytes give. Each graph walks through copies of the weight that together exceed the 50 MB L2
-    cache (as a decoding step's 276 MB of weights do), so every call reads its weight from HBM."""
+    weight; GPU time a call, and the bandwidth the weight's bytes give. The timed CUDA graph
+    (triton.testing.do_bench_cudagraph) makes one call on each of several copies of the weight, together
+    past the 50 MB L2 cache (as a decoding step's 276 MB of weights are), so that every call reads from HBM."""
     shapes = [(40, 24)] if smoke else [(3472, 768), (768, 1152), (4096, 768), (768, 2048), (50304, 768)]
     saved, rows = kernel._linear_config, []
 

@@ -784,8 +784,8 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, scale, eps
 
 
 @triton.jit
-def _decode_out_proj_kernel(o, ssq, gate, w, norm_w, res, y, N, K, norm_eps, H: tl.constexpr, V: tl.constexpr,
-                            NV: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _decode_out_proj_kernel(o, ssq, gate, w, norm_w, res, y, N, K, norm_eps, V: tl.constexpr, NV: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """Batch-1 decoding, the mixer's output projection with what precedes and follows it, BN outputs a
     program (K = H V <= BK): y = W (RMSNorm of each head's V values of o * norm_w * SiLU(gate)) + res, each
     head's mean square from the state kernel's NV partial sums ssq (H, NV)."""
@@ -1189,7 +1189,7 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
     if state.shape != (1, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError(f"state must be a contiguous float32 tensor of shape {(1, H, K, V)}, got "
                          f"{state.dtype} {tuple(state.shape)}")
-    N = in_proj_weight.shape[0]
+    N, pdl = in_proj_weight.shape[0], _pdl(x)
     xc = torch.empty(1, N, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(N, d)
     if BK < d:
@@ -1197,19 +1197,18 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
     _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
         x, in_proj_weight, norm1_weight, xc, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(),
         w_v.contiguous(), N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
-        BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **_pdl(x))
+        BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **pdl)
     o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
     BV = 32
     ssq = torch.empty(H, triton.cdiv(V, BV), device=x.device, dtype=torch.float32)
     _decode_state_kernel[(triton.cdiv(V, BV), H)](
         xc, A_log, dt_bias, eta_bias, state, o, ssq, float(K ** -0.5 if scale is None else scale), float(eps),
-        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **_pdl(x))
+        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **pdl)
     y = torch.empty(1, d, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(d, HV)
     if BK < HV:
         raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
     _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
-        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(o_norm_eps), H=H, V=V,
-        NV=ssq.shape[1], BN=BN, BK=BK,
-        num_warps=warps, **_pdl(x))
+        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(o_norm_eps), V=V,
+        NV=ssq.shape[1], BN=BN, BK=BK, num_warps=warps, **pdl)
     return y

@@ -469,7 +469,8 @@ class GPT(nn.Module):
         x = self.wte(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
-        if targets is None and cache is not None and x.shape[:2] == (1, 1) and self.blocks[-1]._decodes_fused(x, cache[-1]):
+        if targets is None and cache is not None and x.shape[:2] == (1, 1) and self.blocks[-1]._decodes_fused(
+                x, cache[-1]):  # batch-1 decoding through the blocks' kernels: the head as one more
             return self._decode_head(x), None
         x = self.norm_f(x)
         if targets is None:
