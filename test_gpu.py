@@ -129,7 +129,7 @@ def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt
     token after a 300-token prefill, against the same layer in float64 on the recurrent reference path,
     both starting from the reference's prefill state: the layer's output, the new state and the three
     convolution buffers (relative errors). block: the whole model.Block instead (at batch 1 the five kernels
-    of Block._decode_fused, kernel.decode_linear around the mixer kernel)."""
+    of Block._decode_fused: kernel.kla_decode_mixer_split's three, then two of kernel.decode_linear)."""
     torch.manual_seed(0)
     cfg = model.GPTConfig(n_embd=width, n_head=heads, mixer=mixer, backend="triton")
     layer = model.Block if block else model.DeltaMixer
