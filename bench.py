@@ -2,9 +2,10 @@
 Benchmarks on one GPU: python bench.py [--section=kernel,decode,profile,tune] [--out=DIR] [--smoke]
 
 Sections (comma-separated; default kernel,decode):
-  kernel  kernel.kla_chunk against the anchor, fla-core 0.6.0's chunk_gated_delta_rule with the Kaczmarz
-          beta = eta / (||k||^2 + eps) computed in PyTorch (use_qk_l2norm_in_kernel=False), bf16, forward and
-          forward + backward, triton.testing.do_bench medians in the same run; peak memory of one call.
+  kernel  kernel.kla_chunk against the same KLA layer through fla-core 0.6.0's and FlashQLA 0.1.3's
+          chunk_gated_delta_rule (beta = eta / (||k||^2 + eps) computed in PyTorch, use_qk_l2norm_in_kernel=False)
+          and FlashQLA's own GDN, bf16, forward and forward + backward, triton.testing.do_bench medians in the
+          same run; peak memory of one call. FlashQLA runs where it imports and K = V = 128.
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
@@ -13,7 +14,8 @@ Sections (comma-separated; default kernel,decode):
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
           (--compile=0,1; --lengths=2048 picks lengths): a training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
-          and fla's GatedDeltaNet LM of this width, eager, when flash-linear-attention imports (--fla_lm=0: not).
+          and fla's GatedDeltaNet LM of this width in two head shapes (V 256: fla's kernels; V 128: FlashQLA's),
+          eager and compiled, when flash-linear-attention imports (--fla_lm=0: not).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
@@ -61,11 +63,22 @@ def load_fla():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
-def inputs(B, T, H, D, device, requires_grad=False):
+def load_flash_qla():
+    """FlashQLA's chunk_gated_delta_rule (Qwen's TileLang kernels; Hopper, K = V = 128), or None."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except Exception as err:  # ImportError, or its TileLang / CUDA setup failing
+        print(f"flash_qla not importable ({type(err).__name__}: {err}): its columns are left empty")
+        return None
+    return chunk_gated_delta_rule
+
+
+def inputs(B, T, H, K, device, requires_grad=False, V=None):
     """bf16 q (unit), raw k (SiLU of a normal, as after KLA's short convolution), v; fp32 g <= 0 and eta."""
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
-    k = torch.nn.functional.silu(torch.randn(B, T, H, D, device=device)).bfloat16()
-    v = torch.randn(B, T, H, D, device=device).bfloat16()
+    V = V or K
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=device), dim=-1).bfloat16()
+    k = torch.nn.functional.silu(torch.randn(B, T, H, K, device=device)).bfloat16()
+    v = torch.randn(B, T, H, V, device=device).bfloat16()
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device=device) + 3)
     eta = torch.sigmoid(torch.randn(B, T, H, device=device))
     xs = [q, k, v, g, eta]
@@ -76,10 +89,18 @@ def ours_chunk(q, k, v, g, eta):
     return kernel.kla_chunk(q, k, v, g, eta, eps=EPS)[0]
 
 
-def fla_chunk_fn(fla_chunk):
+def kla_through(chunk):
+    """KLA through a GDN kernel with fla's signature: beta = eta / (||k||^2 + eps) computed in PyTorch."""
     def run(q, k, v, g, eta):
         beta = eta / (k.float().pow(2).sum(-1) + EPS)
-        return fla_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=False)[0]
+        return chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=False)[0]
+    return run
+
+
+def gdn_through(chunk):
+    """The kernel's own GDN: q and k L2-normalised inside it, beta = eta."""
+    def run(q, k, v, g, eta):
+        return chunk(q, k, v, g, eta, use_qk_l2norm_in_kernel=True)[0]
     return run
 
 
@@ -111,29 +132,40 @@ def timed(fn, xs, backward, device):
 
 
 def section_kernel(device, smoke):
+    """kla_chunk against the same KLA layer through fla's and FlashQLA's GDN kernels (beta in PyTorch), and
+    FlashQLA's own GDN; FlashQLA only where it runs (K = V = 128). The last shape is the model's own heads
+    (GPT-2 small: 6 heads, d_k 96, d_v 192, 32 x 2048 tokens a step)."""
     fla_chunk, _ = load_fla()
-    shapes = [(16, 2048, 8, 64, True), (8, 4096, 16, 128, True), (1, 32768, 16, 128, True),
-              (1, 131072, 16, 128, False)]
+    qla_chunk = load_flash_qla()
+    shapes = [(16, 2048, 8, 64, 64, True), (8, 4096, 16, 128, 128, True), (4, 8192, 16, 128, 128, True),
+              (1, 32768, 16, 128, 128, True), (1, 131072, 16, 128, 128, False), (32, 2048, 6, 96, 192, True)]
     if smoke:
-        shapes = [(1, 100, 2, 32, True)]
+        shapes = [(1, 100, 2, 32, 32, True)]
+    nan = (float("nan"), float("nan"))
     rows = []
     pick = ARGS.get("rows")  # e.g. --rows=2b,3,4: shape index, then f (forward only) or b (fwd+bwd only)
-    for i, (B, T, H, D, with_bwd) in enumerate(shapes):
+    for i, (B, T, H, K, V, with_bwd) in enumerate(shapes):
         for backward in ([False, True] if with_bwd else [False]):
             if pick and not any(p == str(i) or p == f"{i}{'b' if backward else 'f'}" for p in pick.split(",")):
                 continue
-            xs = inputs(B, T, H, D, device, requires_grad=backward)
-            ours_ms, ours_mem = timed(ours_chunk, xs, backward, device)
-            fla_ms, fla_mem = (timed(fla_chunk_fn(fla_chunk), xs, backward, device) if fla_chunk
-                               else (float("nan"), float("nan")))
-            rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd" if backward else "fwd", ours_ms, fla_ms,
-                         ours_ms / fla_ms, ours_mem, fla_mem])
+            xs = inputs(B, T, H, K, device, requires_grad=backward, V=V)
+            ours = timed(ours_chunk, xs, backward, device)
+            fla = timed(kla_through(fla_chunk), xs, backward, device) if fla_chunk else nan
+            qla_ok = qla_chunk is not None and K == V == 128
+            qla = timed(kla_through(qla_chunk), xs, backward, device) if qla_ok else nan
+            qla_gdn = timed(gdn_through(qla_chunk), xs, backward, device) if qla_ok else nan
+            rows.append([f"({B}, {T}, {H}, {K}, {V})", "fwd+bwd" if backward else "fwd", ours[0], fla[0], qla[0],
+                         qla_gdn[0], ours[0] / fla[0], ours[0] / qla[0], ours[0] / qla_gdn[0], ours[1], fla[1],
+                         qla[1]])
             print(rows[-1], flush=True)
             del xs
             if device == "cuda":
                 torch.cuda.empty_cache()
-    head = ["shape (B, T, H, D)", "pass", "ours ms", "fla ms", "ours / fla", "ours peak MiB", "fla peak MiB"]
-    return "chunk kernel, bf16, do_bench medians (fla: chunk_gated_delta_rule + beta in PyTorch)", head, rows
+    head = ["shape (B, T, H, K, V)", "pass", "ours ms", "fla KLA ms", "FlashQLA KLA ms", "FlashQLA GDN ms",
+            "ours / fla", "ours / FlashQLA KLA", "ours / FlashQLA GDN", "ours peak MiB", "fla peak MiB",
+            "FlashQLA peak MiB"]
+    return ("chunk kernel, bf16, do_bench medians (fla / FlashQLA KLA: their chunk_gated_delta_rule with beta in "
+            "PyTorch; FlashQLA GDN: q, k L2-normalised in its kernel; nan: not run)"), head, rows
 
 
 def section_decode(device, smoke):
@@ -383,12 +415,13 @@ def section_train(device, smoke):
     _, shapes = model_configs(smoke)
     peak = 989e12  # H100 / H200 dense bf16
     rows, base, fla = [], {}, []
-    if device == "cuda" and ARGS.get("fla_lm", "1") == "1":  # the library users would pick, eager as it ships;
+    compiled_modes = [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]
+    if device == "cuda" and ARGS.get("fla_lm", "1") == "1":  # the library users would pick
         try:  # first, so that a time limit on the whole section cannot leave it out
-            fla = fla_lm_rows(shapes, device)
+            fla = fla_lm_rows(shapes, device, compiled_modes)
         except Exception as err:  # fla's model failing must not stop ours
             print(f"fla LM: {type(err).__name__}: {str(err)[:300]}", flush=True)
-    for compiled in [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]:
+    for compiled in compiled_modes:
         for mixer in ARGS.get("mixers", "attn,kla,gdn").split(","):  # the first is the ratios' base
             model = opt = None
             for batch, T in shapes:
@@ -415,8 +448,8 @@ def section_train(device, smoke):
                              ms, tok_s, tok_s / base[(T, compiled)], mfu, mem, first])
                 print(rows[-1], flush=True)
             del model, opt, step
-    for r in fla:  # its ratio to attention, compiled where that ran, else eager
-        ref = base.get((r[2], True), base.get((r[2], False)))
+    for r in fla:  # its ratio to attention in the same mode
+        ref = base.get((r[2], r[1] == "compiled"))
         if isinstance(r[6], float) and ref:
             r[7] = r[6] / ref
     rows += fla
@@ -425,11 +458,12 @@ def section_train(device, smoke):
     return "training step of the whole model, bf16 autocast, median of 5 after 2 warm-up steps", head, rows
 
 
-def fla_lm_rows(shapes, device):
-    """fla's GatedDeltaNetForCausalLM at this width (hidden 768, 12 layers, 6 heads of 128, expand_v 2,
-    vocabulary 50304 tied: KLA.md's anchor), AdamW, bf16 autocast, not compiled, timed like ours. Needs the
-    flash-linear-attention wheel; its backward guard (fla #640) is switched off by load_fla (timing only).
-    'vs attn' is filled in by section_train."""
+def fla_lm_rows(shapes, device, compiled_modes):
+    """fla's GatedDeltaNetForCausalLM at this width (hidden 768, 12 layers, 6 heads, vocabulary 50304 tied),
+    AdamW, bf16 autocast, timed like ours, with fla's default dispatch: heads of K 128, V 256 (KLA.md's anchor,
+    expand_v 2) run fla's own Triton kernels; heads of K = V = 128 (expand_v 1) are sent to FlashQLA when it
+    imports. Eager and, for each mode in compiled_modes, torch.compile'd (a row says what failed). Its backward
+    guard (fla #640) is switched off by load_fla (timing only). 'vs attn' is filled in by section_train."""
     if load_fla()[0] is None:
         return []
     try:
@@ -437,35 +471,47 @@ def fla_lm_rows(shapes, device):
     except ImportError as err:
         print(f"fla.models not importable ({err}): no fla LM rows")
         return []
-    cfg = GatedDeltaNetConfig(hidden_size=768, num_hidden_layers=12, num_heads=6, head_dim=128, expand_v=2,
-                              vocab_size=50304, tie_word_embeddings=True)
-    model = GatedDeltaNetForCausalLM(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    dispatch = os.environ.get("FLA_FLASH_QLA")
+    os.environ.pop("FLA_FLASH_QLA", None)  # fla's default: FlashQLA where it can serve the call
     rows = []
-    for batch, T in shapes:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        idx = torch.randint(50304, (batch, T), device=device)
+    try:
+        for expand_v, label in ((2, "fla GatedDeltaNet, V 256"), (1, "fla GatedDeltaNet, V 128 (FlashQLA)")):
+            for compiled in compiled_modes:
+                cfg = GatedDeltaNetConfig(hidden_size=768, num_hidden_layers=12, num_heads=6, head_dim=128,
+                                          expand_v=expand_v, vocab_size=50304, tie_word_embeddings=True)
+                model = GatedDeltaNetForCausalLM(cfg).to(device)
+                n_params = sum(p.numel() for p in model.parameters()) / 1e6
+                opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+                fwd = torch.compile(model) if compiled else model
+                mode = "compiled" if compiled else "eager"
+                for batch, T in shapes:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    idx = torch.randint(50304, (batch, T), device=device)
 
-        def step():
-            with torch.autocast(device, dtype=torch.bfloat16):
-                loss = model(input_ids=idx, labels=idx).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        try:
-            step()
-            first = time.perf_counter() - t0
-            ms = median_ms(step, device)
-        except Exception as err:  # OOM or an fla error: report it and go on
-            print(f"fla LM at T {T}: {type(err).__name__}: {str(err)[:300]}", flush=True)
-            rows.append(["fla GatedDeltaNet", "eager", T, batch] + [type(err).__name__] * 7)
-            continue
-        tok_s = batch * T / ms * 1e3
-        rows.append(["fla GatedDeltaNet", "eager", T, batch, sum(p.numel() for p in model.parameters()) / 1e6, ms,
-                     tok_s, float("nan"), float("nan"), torch.cuda.max_memory_allocated() / 2**30, first])
-        print(rows[-1], flush=True)
+                    def step():
+                        with torch.autocast(device, dtype=torch.bfloat16):
+                            loss = fwd(input_ids=idx, labels=idx).loss
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    t0 = time.perf_counter()
+                    try:
+                        step()
+                        first = time.perf_counter() - t0
+                        ms = median_ms(step, device)
+                    except Exception as err:  # OOM, a compile failure or an fla error: report it and go on
+                        print(f"{label} {mode} at T {T}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                        rows.append([label, mode, T, batch, n_params] + [type(err).__name__] * 6)
+                        continue
+                    tok_s = batch * T / ms * 1e3
+                    rows.append([label, mode, T, batch, n_params, ms, tok_s, float("nan"), float("nan"),
+                                 torch.cuda.max_memory_allocated() / 2**30, first])
+                    print(rows[-1], flush=True)
+                del model, opt, fwd
+    finally:
+        if dispatch is not None:
+            os.environ["FLA_FLASH_QLA"] = dispatch
     return rows
 
 
@@ -758,6 +804,18 @@ def plot(results, path):
     print(f"wrote {path}")
 
 
+def anchor_versions():
+    """The anchors' installed versions, for the header of every table."""
+    from importlib.metadata import PackageNotFoundError, version
+    found = []
+    for name in ("fla-core", "flash-qla"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
+
+
 def main():
     arg = lambda name, default: ARGS.get(name, default)
     if "plot" in ARGS:  # redraw the plot of an earlier run, no GPU needed
@@ -778,7 +836,7 @@ def main():
     device = "cpu" if smoke else "cuda"
     torch.manual_seed(0)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
-    text = [f"bench.py on {dev}, torch {torch.__version__}, triton {triton.__version__}"]
+    text = [f"bench.py on {dev}, torch {torch.__version__}, triton {triton.__version__}, {anchor_versions()}"]
     results = {"env": text[0], "sections": {}}
     for name in names:
         title, head, rows = SECTIONS[name](device, smoke)
