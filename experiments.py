@@ -1,9 +1,9 @@
 """
-The paper's claims at small scale (README, "Reproducing the paper"): every (task, mixer, seed) run of
-train.py + evaluate.py, several at once on one GPU, and their results gathered into results/.
+The paper's claims at small scale (RESULTS.md): every (task, mixer, seed) run of train.py + evaluate.py,
+several at once on one GPU, and their results gathered into results/<task>/.
 
 $ python experiments.py --tasks=mqar,sniah,lm --mixers=kla,gdn,attn --seeds=1,2,3    # run, then collect + plot
-$ python experiments.py --collect=True       # only gather out-exp/*/eval.json into results/ and plot
+$ python experiments.py --collect=True       # only gather out-exp/*/eval.json into results/<task>/ and plot
 
 Tasks (their config file holds every hyper-parameter; flags after --train_args override them for all runs):
   mqar   config/mqar.py: MQAR, 256 tokens, 32 pairs, vocab 8192; accuracy at 1x, 2x, 4x, 8x
@@ -16,8 +16,8 @@ killed) is resumed from it. --deadline=S stops the training runs still going aft
 checkpoint so far is evaluated, and the iteration reached is recorded; with --eval_stopped=False they are left
 for the next call to resume, e.g. on a machine that keeps --root between calls).
 --data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
-results/<task>.csv has one row per run (merged with the rows already there); results/<task>.png plots
-the mean and spread over seeds per mixer against the evaluation length.
+results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
+already there); <task>.png beside it plots the mean and spread over seeds per mixer against the evaluation length.
 """
 import csv
 import json
@@ -42,7 +42,7 @@ jobs = 9  # training processes at once (in all)
 gpus = ""  # GPUs to spread the runs over, e.g. "0,1" (a run sees one, through CUDA_VISIBLE_DEVICES); "": all
 deadline = 0  # seconds; 0: let every run finish
 root = "out-exp"
-results_dir = "results"
+results_dir = ""  # where <task>.csv and <task>.png go; "": results/<task>/
 data_dir = "data"  # where the datasets are (prepared there first if missing)
 n_train = 0  # MQAR / S-NIAH: training examples when the data is prepared here (0: the authors' 20,000)
 train_args = ""  # extra train.py flags for every run, e.g. "--max_iters=500"
@@ -130,9 +130,9 @@ def run_all():
 
 
 def collect_results():
-    os.makedirs(results_dir, exist_ok=True)
     for task, (_, dataset, column) in TASKS.items():
-        path = os.path.join(results_dir, f"{task}.csv")
+        out = results_dir or os.path.join("results", task)
+        path = os.path.join(out, f"{task}.csv")
         rows = {}
         if os.path.exists(path):
             with open(path) as f:
@@ -152,13 +152,14 @@ def collect_results():
             rows[(row["mixer"], row["seed"])] = row
         if not rows:
             continue
+        os.makedirs(out, exist_ok=True)
         fields = list(dict.fromkeys(k for r in rows.values() for k in r))
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], int(r["seed"]))))
         print(summary(task, column, list(rows.values())))
-        plot(task, column, list(rows.values()))
+        plot(task, column, list(rows.values()), out)
 
 
 def by_mixer(rows, column):
@@ -189,7 +190,7 @@ def summary(task, column, rows):
     return "\n".join(lines)
 
 
-def plot(task, column, rows):
+def plot(task, column, rows, out):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -213,7 +214,7 @@ def plot(task, column, rows):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(results_dir, f"{task}.png"), dpi=120)
+    fig.savefig(os.path.join(out, f"{task}.png"), dpi=120)
     plt.close(fig)
 
 
