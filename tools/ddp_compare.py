@@ -1,5 +1,5 @@
 """
-The same training run on one GPU and on N GPUs through torchrun (issue 7): same model, same global batch,
+The same training run on one GPU and on N GPUs through torchrun: same model, same global batch,
 same batches (train.py draws global micro-batch r * gradient_accumulation_steps + m on process r), so the
 loss curves should agree up to floating-point noise and the tokens/s should scale with N.
 

@@ -1,7 +1,7 @@
 """
 Registers and spills of kernel.py's kernels for sm_90 without a GPU (Triton 3.9 on CPU + its bundled
 ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
-    python tools/ptxas_report.py [NAME ...]      (names from CONFIGS below; default: all)
+    python tools/ptxas_report.py [--fp32] [NAME ...]   (substrings of the kernel labels below; default: all)
 Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory.
 """
 import os
@@ -52,7 +52,7 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
     return (int(regs.group(1)) if regs else None, spill.groups() if spill else None, ck.metadata.shared)
 
 
-def configs(K, sel, fp32=False):
+def configs(K, fp32=False):
     """(label, kernel, constexprs, warps): the chosen configuration of every backward kernel first
     (marked *), then alternatives; head size K = V."""
     BK = kernel._block_k(K)
@@ -72,12 +72,6 @@ def configs(K, sel, fp32=False):
     out.append((f"_bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, 4))
     for bv, nw in ((16, 4), (64, 8), (64, 4)):
         out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=min(BK, 64), BV=bv), nw))
-    if os.environ.get("OLD_KERNEL"):  # a kernel.py with the single _bwd_chunk_kernel (main before the split)
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("kernel_old", os.environ["OLD_KERNEL"])
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
-        out.append((f"old _bwd_chunk_kernel K=V={K}", old._bwd_chunk_kernel, dict(base, BV=64), 4 if K <= 64 else 8))
     return out
 
 
@@ -86,7 +80,7 @@ def main():
     fp32 = "--fp32" in sys.argv
     sel = [a for a in sys.argv[1:] if a != "--fp32"]
     for K in (128, 64):
-        for name, fn, cx, nw in configs(K, sel, fp32):
+        for name, fn, cx, nw in configs(K, fp32):
             if sel and not any(s in name for s in sel):
                 continue
             cx = {k: v for k, v in cx.items() if k in fn.arg_names}
