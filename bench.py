@@ -10,7 +10,7 @@ Sections (comma-separated; default kernel,decode):
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
   tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
-  tune_decode  kernel.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
+  tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
           (--compile=0,1; --lengths=2048 picks lengths): a training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
@@ -23,7 +23,7 @@ Sections (comma-separated; default kernel,decode):
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
---pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel.DECODE_PDL).
+--pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -44,6 +44,7 @@ import torch
 import triton
 
 import kernel
+import kernel_decode
 from model import GPT, GPTConfig
 
 EPS = 1e-6
@@ -234,13 +235,13 @@ def section_tune(device, smoke):
 
 
 def section_tune_decode(device, smoke):
-    """kernel.decode_linear (batch-1 decoding's projections) on GPT-2 small's shapes, rows a program and warps
-    one variant at a time (kernel._linear_config replaced), against torch's F.linear (cuBLAS) on the same
+    """kernel_decode.decode_linear (batch-1 decoding's projections) on GPT-2 small's shapes, rows a program and warps
+    one variant at a time (kernel_decode._linear_config replaced), against torch's F.linear (cuBLAS) on the same
     weight; GPU time a call, and the bandwidth the weight's bytes give. The timed CUDA graph
     (triton.testing.do_bench_cudagraph) makes one call on each of several copies of the weight, together
     past the 50 MB L2 cache (as a decoding step's 276 MB of weights are), so that every call reads from HBM."""
     shapes = [(40, 24)] if smoke else [(3472, 768), (768, 1152), (4096, 768), (768, 2048), (50304, 768)]
-    saved, rows = kernel._linear_config, []
+    saved, rows = kernel_decode._linear_config, []
 
     def gpu_us(fn, ws):
         if smoke:
@@ -260,18 +261,18 @@ def section_tune_decode(device, smoke):
             BK = min(triton.next_power_of_2(K), 4096)
             for bn in ((16,) if smoke else (1, 2, 4, 8, 16, 32)):
                 for nw in ((4,) if smoke else (1, 2, 4, 8)):
-                    kernel._linear_config = lambda N, K, bn=bn, nw=nw: (bn, BK, nw)
+                    kernel_decode._linear_config = lambda N, K, bn=bn, nw=nw: (bn, BK, nw)
                     try:
-                        us = gpu_us(lambda w: kernel.decode_linear(x, w), ws)
+                        us = gpu_us(lambda w: kernel_decode.decode_linear(x, w), ws)
                     except Exception as err:  # e.g. out of resources: that variant is out, the rest go on
                         rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", type(err).__name__, ""])
                         continue
                     rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", us,
                                  N * K * w.element_size() / us / 1e6])
                     print(rows[-1], flush=True)
-            kernel._linear_config = saved
+            kernel_decode._linear_config = saved
     finally:
-        kernel._linear_config = saved
+        kernel_decode._linear_config = saved
     return "decode_linear variants, one token (us of GPU time a call)", ["(N, K)", "variant", "us", "TB/s"], rows
 
 
@@ -526,7 +527,7 @@ def kernel_group(name):
         return "kernel.py backward"
     if name in ("_step_kernel", "_decode_mixer_kernel", "_decode_linear_kernel", "_decode_in_proj_kernel",
                 "_decode_state_kernel", "_decode_out_proj_kernel"):
-        return "kernel.py decoding"
+        return "kernel.py / kernel_decode.py decoding"
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
         return "matmul (cuBLAS)"
     if n.startswith("triton_") or "triton" in n:
@@ -704,7 +705,7 @@ def section_generate(device, smoke):
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
             + (" (all SDPA backends)" if all_backends else "") \
             + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
-            + (" (no PDL)" if mixer != "attn" and not kernel.DECODE_PDL else "")
+            + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "")
         for batch in ((1,) if all_backends else (1, 64)):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
@@ -830,7 +831,7 @@ def main():
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if ARGS.get("pdl") == "0":  # batch-1 decoding's kernels launched plainly instead of as dependent launches
-        kernel.DECODE_PDL = False
+        kernel_decode.DECODE_PDL = False
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
         kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused
     device = "cpu" if smoke else "cuda"

@@ -37,9 +37,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
 
 
-def check_shapes(q, k, v, g, eta, initial_state=None):
-    """Raise a ValueError naming the first tensor whose type, shape or device breaks the contract.
-    Needs no device synchronisation (the Triton path uses it inside CUDA graphs)."""
+def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0):
+    """Raise a ValueError naming the first input that breaks the contract; last, g <= 0 (a value check:
+    on a GPU it waits for the data)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
         if not torch.is_tensor(x) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
@@ -55,8 +55,8 @@ def check_shapes(q, k, v, g, eta, initial_state=None):
     for name, x in (("g", g), ("eta", eta)):
         if x.shape != q.shape[:3]:
             raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got shape {tuple(x.shape)}")
-    if T == 0:
-        raise ValueError("the sequence is empty (T = 0)")
+    if B == 0 or T == 0:
+        raise ValueError(f"the input is empty: (B, T) = ({B}, {T})")
     if initial_state is not None:
         want = (B, H, K, v.shape[-1])
         if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
@@ -65,11 +65,8 @@ def check_shapes(q, k, v, g, eta, initial_state=None):
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
-
-
-def check_inputs(q, k, v, g, eta, initial_state=None):
-    """check_shapes, and g <= 0 (a value check: on a GPU it waits for the data)."""
-    check_shapes(q, k, v, g, eta, initial_state)
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
     if (g > 0).any():
         raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
 
@@ -93,7 +90,7 @@ def _upcast(q, k, v, g, eta, initial_state):
 def kla_recurrent(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
                   output_final_state=False, kaczmarz=True):
     """Token-by-token reference: the recurrence exactly as written in the module docstring."""
-    check_inputs(q, k, v, g, eta, initial_state)
+    check_inputs(q, k, v, g, eta, initial_state, eps)
     out_dtype, T = q.dtype, q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
@@ -109,6 +106,9 @@ def kla_recurrent(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
     return o, (S if output_final_state else None)
 
 
+GATE_FLOOR = -1000.0  # exp(-1000) is 0 in float64: a gate at or below it forgets all, as g = -inf does
+
+
 def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
                   output_final_state=False, kaczmarz=True, chunk_size=64):
     """Chunkwise reference (WY / UT transform). Inside a chunk of C tokens with b = cumsum(g):
@@ -118,7 +118,9 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
         S = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
     The parts of U that do not depend on S0 are solved for all chunks at once; only the short
     recurrence over S is sequential."""
-    check_inputs(q, k, v, g, eta, initial_state)
+    check_inputs(q, k, v, g, eta, initial_state, eps)
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     out_dtype, (B, T, H, K), V, C = q.dtype, q.shape, v.shape[-1], chunk_size
     scale = K ** -0.5 if scale is None else scale
     dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
@@ -127,30 +129,41 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
     pad, N = (-T) % C, (T + C - 1) // C
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, N, C, -1) for x in (q, k, v))
     g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(B, H, N, C) for x in (g, beta))  # (B, H, N, C)
-    b = g.cumsum(-1)
+    # b in float64: beside strongly negative gates (b ~ -1e4 n) float32 would keep too few digits of the small
+    # ones for the ratios exp(b_i - b_j); a gate of -inf (a decay of exactly 0) is raised to GATE_FLOOR, where
+    # exp is 0 as well, so that b stays finite (-inf - -inf is NaN)
+    b = g.double().clamp_min(GATE_FLOOR).cumsum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # masked before exp: exp(b_i - b_j) for j > i could overflow
-    gamma = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, H, N, C, C)
+    gamma = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).to(dtype).exp()  # (B, H, N, C, C)
     A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * gamma).tril(-1)
     eye = torch.eye(C, dtype=dtype, device=q.device)
-    rhs = torch.cat([beta[..., None] * v, (beta * b.exp())[..., None] * k], -1)  # (B, H, N, C, V + K)
+    decay_out = b.exp().to(dtype)  # (B, H, N, C)
+    rhs = torch.cat([beta[..., None] * v, (beta * decay_out)[..., None] * k], -1)  # (B, H, N, C, V + K)
     U0, W = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True).split([V, K], -1)
     attn = (q @ k.transpose(-1, -2)) * gamma  # (B, H, N, C, C)
-    decay_out = b.exp()[..., None]  # (B, H, N, C, 1)
-    decay_state = (b[..., -1:] - b).exp()[..., None]
+    decay_state = (b[..., -1:] - b).exp().to(dtype)[..., None]  # (B, H, N, C, 1)
     outs = []
     for n in range(N):
         u = U0[:, :, n] - W[:, :, n] @ S  # (B, H, C, V)
-        outs.append(scale * ((q[:, :, n] * decay_out[:, :, n]) @ S + attn[:, :, n] @ u))
-        S = b[:, :, n, -1, None, None].exp() * S + (k[:, :, n] * decay_state[:, :, n]).transpose(-1, -2) @ u
+        outs.append(scale * ((q[:, :, n] * decay_out[:, :, n, :, None]) @ S + attn[:, :, n] @ u))
+        S = decay_out[:, :, n, -1, None, None] * S + (k[:, :, n] * decay_state[:, :, n]).transpose(-1, -2) @ u
     o = torch.stack(outs, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2).contiguous().to(out_dtype)  # (B, T, H, V)
     return o, (S if output_final_state else None)
 
 
-try:  # the Triton kernels (kernel.py); on CUDA they are the default path
-    import kernel as _kernel
-except ImportError as err:
-    _kernel, _kernel_error = None, err
+# The Triton kernels, on CUDA the default path. Only a missing Triton falls back to PyTorch: an error inside
+# kernel.py or kernel_decode.py is raised, not hidden behind the slow path.
+try:
+    import triton  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name != "triton":
+        raise
+    kernel = kernel_decode = None
+    _no_triton = err
+else:
+    import kernel
+    import kernel_decode
 
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
@@ -159,7 +172,7 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
     CUDA tensors when it imports). A single token with a carried state (decoding) takes the O(1) step; on the
     Triton path, without autograd, that step writes the new state into initial_state (and returns it)."""
     if backend == "auto":
-        backend = "triton" if q.is_cuda and _kernel is not None else "chunkwise"
+        backend = "triton" if q.is_cuda and kernel is not None else "chunkwise"
     kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz)
     if backend == "triton":
         return _triton_attention(q, k, v, g, eta, **kw)
@@ -173,10 +186,10 @@ def _triton_attention(q, k, v, g, eta, *, eps, initial_state, output_final_state
     if q.shape[1] == 1 and initial_state is not None:  # decoding: the state is updated in place when it can be
         inplace = initial_state.is_contiguous() and initial_state.dtype == torch.float32 \
             and not torch.is_grad_enabled()
-        return _kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz,
-                                out_state=initial_state if inplace else None)
-    return _kernel.kla_chunk(q, k, v, g, eta, eps=eps, initial_state=initial_state,
-                             output_final_state=output_final_state, kaczmarz=kaczmarz)
+        return kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz,
+                               out_state=initial_state if inplace else None)
+    return kernel.kla_chunk(q, k, v, g, eta, eps=eps, initial_state=initial_state,
+                            output_final_state=output_final_state, kaczmarz=kaczmarz)
 
 
 def resolve_backend(backend, device_type):
@@ -185,12 +198,12 @@ def resolve_backend(backend, device_type):
         raise ValueError(f"backend must be 'auto', 'triton', 'chunkwise' or 'recurrent', got {backend!r}")
     if backend == "auto":
         backend = "triton" if device_type == "cuda" else "chunkwise"
-        if backend == "triton" and (_kernel is None or not hasattr(_kernel, "kla_chunk")):
-            warnings.warn(f"Triton kernel unavailable ({_kernel_error if _kernel is None else 'no kla_chunk'});"
-                          " falling back to the PyTorch chunkwise path, which is much slower")
+        if backend == "triton" and kernel is None:
+            warnings.warn(f"Triton is not installed ({_no_triton}); falling back to the PyTorch chunkwise path, "
+                          "which is much slower")
             backend = "chunkwise"
-    if backend == "triton" and _kernel is None:
-        raise RuntimeError(f"backend='triton' needs kernel.py and Triton: {_kernel_error}")
+    if backend == "triton" and kernel is None:
+        raise RuntimeError(f"backend='triton' needs Triton: {_no_triton}")
     return backend
 
 
@@ -223,16 +236,22 @@ class GPTConfig:
     conv_size: int = 4         # short causal convolution on q, k, v
     mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
     kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
-    chunk_size: int = 64
+    chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
     backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
     decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel,
-                               # and at batch 1 the whole block as five (Block._decode_fused)
+                               # and at batch 1 the whole block as five (GPT._decode_fused)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
             raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {self.mixer!r}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "conv_size", "chunk_size"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("kla_eps", "norm_eps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.mixer != "attn":
@@ -271,7 +290,7 @@ class DeltaMixer(nn.Module):
         super().__init__()
         H, d = config.n_head, config.n_embd
         self.n_head, self.kaczmarz, self.eps = H, config.mixer == "kla", config.kla_eps
-        self.chunk_size, self.backend, self.decode_fused = config.chunk_size, config.backend, config.decode_fused
+        self.chunk_size, self.backend = config.chunk_size, config.backend
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
         # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
         # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
@@ -297,8 +316,6 @@ class DeltaMixer(nn.Module):
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
-        if T == 1 and "state" in st and self.decode_fused and self.backend == "triton" and not torch.is_grad_enabled():
-            return self.o_proj(self._decode_fused(self.in_proj(x), st).view(B, 1, H * dv))
         q, k, v, gate, b, a, _ = self.in_proj(x).split(self.split, -1)
         q, st["q_conv"] = self.q_conv(q, st.get("q_conv"))
         k, st["k_conv"] = self.k_conv(k, st.get("k_conv"))
@@ -319,14 +336,15 @@ class DeltaMixer(nn.Module):
         o = self.o_norm(o.to(x.dtype)) * F.silu(gate.reshape(B, T, H, dv))
         return self.o_proj(o.reshape(B, T, H * dv))
 
-    @torch.compiler.disable  # one Triton kernel, which updates the cache's buffers in place
-    def _decode_fused(self, xp, st):
-        """The lines of forward between the two projections for one token, as kernel.kla_decode_mixer."""
-        return _kernel.kla_decode_mixer(
-            xp.view(xp.shape[0], -1)[:, :sum(self.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"],
-            self.q_conv.weight, self.k_conv.weight, self.v_conv.weight, self.A_log, self.dt_bias, self.eta_bias,
-            self.o_norm.weight, st["state"], n_head=self.n_head, eps=self.eps, norm_eps=self.o_norm.eps,
-            kaczmarz=self.kaczmarz)
+
+@torch.compiler.disable  # one Triton kernel, which updates the cache's buffers in place
+def _decode_mixer(m, xp, st):
+    """The lines of DeltaMixer m's forward between its two projections for one token (xp (B, in_proj's outputs)),
+    as kernel_decode.kla_decode_mixer: the output (B, H dv) before o_proj."""
+    return kernel_decode.kla_decode_mixer(
+        xp[:, :sum(m.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight, m.k_conv.weight,
+        m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight, st["state"], n_head=m.n_head, eps=m.eps,
+        norm_eps=m.o_norm.eps, kaczmarz=m.kaczmarz)
 
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
@@ -398,34 +416,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None):
-        if cache is not None and x.shape[:2] == (1, 1) and self._decodes_fused(x, cache):
-            return self._decode_fused(x, cache)
         x = x + self.mixer(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
-
-    def _decodes_fused(self, x, st):
-        """Whether this token (batch 1) goes through _decode_fused: KLA / GDN decoding on the Triton backend
-        without autograd, weights, input and convolution buffers in one dtype (not under autocast with float32
-        weights, whose buffers are in the autocast dtype)."""
-        m = self.mixer
-        return (isinstance(m, DeltaMixer) and m.decode_fused and m.backend == "triton" and "state" in st
-                and not torch.is_grad_enabled() and x.is_contiguous()
-                and x.dtype == m.in_proj.weight.dtype == self.mlp.down.weight.dtype == st["q_conv"].dtype)
-
-    @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
-    def _decode_fused(self, x, st):
-        """forward for one token at batch 1 as five kernels: RMSNorm + the mixer's input projection + the short
-        convolutions; the state step, each head's values over several programs; the head's RMSNorm and gate +
-        the output projection + the residual (kernel.kla_decode_mixer_split); RMSNorm + the MLP's first
-        projection; SwiGLU + the MLP's second projection + the residual (kernel.decode_linear)."""
-        m = self.mixer
-        x1 = _kernel.kla_decode_mixer_split(
-            x.view(1, -1), self.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"],
-            m.q_conv.weight, m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"],
-            m.o_norm.weight, m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=self.norm1.eps,
-            o_norm_eps=m.o_norm.eps, kaczmarz=m.kaczmarz)
-        h = _kernel.decode_linear(x1, self.mlp.gate_up.weight, norm_weight=self.norm2.weight, norm_eps=self.norm2.eps)
-        return _kernel.decode_linear(h, self.mlp.down.weight, swiglu=True, residual=x1).view_as(x)
 
 
 class GPT(nn.Module):
@@ -466,12 +458,11 @@ class GPT(nn.Module):
         read and updated in place, so that a later call continues the sequence (see new_cache)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
+        if targets is None and self._decodes_fused(idx, cache):
+            return self._decode_fused(idx, cache), None
         x = self.wte(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
-        if targets is None and cache is not None and x.shape[:2] == (1, 1) and self.blocks[-1]._decodes_fused(
-                x, cache[-1]):  # batch-1 decoding through the blocks' kernels: the head as one more
-            return self._decode_head(x), None
         x = self.norm_f(x)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None
@@ -479,11 +470,48 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    @torch.compiler.disable
-    def _decode_head(self, x):
-        """norm_f + lm_head for one token at batch 1 as one kernel (kernel.decode_linear), beside the blocks'."""
-        return _kernel.decode_linear(x.view(1, -1), self.lm_head.weight, norm_weight=self.norm_f.weight,
-                                     norm_eps=self.norm_f.eps).view(1, 1, -1)
+    def _decodes_fused(self, idx, cache):
+        """Whether this call decodes one token through kernel_decode's kernels (GPTConfig.decode_fused): KLA or
+        GDN on the Triton backend, a cache that holds a state, no autograd."""
+        return (cache is not None and idx.shape[1] == 1 and self.config.decode_fused and self.config.mixer != "attn"
+                and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled())
+
+    def _decode_fused(self, idx, cache):
+        """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,
+        with the weights and the cache's buffers in one dtype (not under autocast), every block and the head run
+        as kernels alone (_decode_fused_batch1); else each mixer runs between its projections as one kernel
+        (kernel_decode.kla_decode_mixer) and the rest of the model as its layers."""
+        x = self.wte(idx)  # (B, 1, C)
+        if x.shape[0] == 1 and x.dtype == cache[0]["q_conv"].dtype:
+            return self._decode_fused_batch1(x, cache)
+        B = x.shape[0]
+        for block, st in zip(self.blocks, cache):
+            m = block.mixer
+            o = _decode_mixer(m, m.in_proj(block.norm1(x)).view(B, -1), st)  # (B, H dv)
+            x = x + m.o_proj(o.view(B, 1, -1))
+            x = x + block.mlp(block.norm2(x))
+        return self.lm_head(self.norm_f(x))
+
+    @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
+    def _decode_fused_batch1(self, x, cache):
+        """Each block as five kernels: RMSNorm + the mixer's input projection + the short convolutions; the
+        state step, each head's values over several programs; the heads' RMSNorm and gate + the output
+        projection + the residual (kernel_decode.kla_decode_mixer_split); RMSNorm + the MLP's first projection;
+        SwiGLU + the MLP's second projection + the residual (kernel_decode.decode_linear). Then norm_f + lm_head
+        as one more."""
+        x = x.view(1, -1)
+        for block, st in zip(self.blocks, cache):
+            m = block.mixer
+            x = kernel_decode.kla_decode_mixer_split(
+                x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
+                m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
+                m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
+                kaczmarz=m.kaczmarz)
+            h = kernel_decode.decode_linear(x, block.mlp.gate_up.weight, norm_weight=block.norm2.weight,
+                                            norm_eps=block.norm2.eps)
+            x = kernel_decode.decode_linear(h, block.mlp.down.weight, swiglu=True, residual=x)
+        return kernel_decode.decode_linear(x, self.lm_head.weight, norm_weight=self.norm_f.weight,
+                                           norm_eps=self.norm_f.eps).view(1, 1, -1)
 
     def new_cache(self):
         return [dict() for _ in self.blocks]
@@ -518,13 +546,13 @@ class GPT(nn.Module):
         their keys under '_orig_mod.'.)"""
         model = cls(GPTConfig(**{**checkpoint["model_args"], **overrides}))
         state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
-        missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
-        if missing or unexpected:  # e.g. a checkpoint of an older model.py (separate q / k / v projections)
+        ours = model.state_dict()
+        missing, unexpected = ours.keys() - state.keys(), state.keys() - ours.keys()
+        resized = {k for k in ours.keys() & state.keys() if state[k].shape != ours[k].shape}
+        if missing or unexpected or resized:
             raise ValueError(f"checkpoint does not match this model.py: missing {sorted(missing)[:4]}, unexpected "
-                             f"{sorted(unexpected)[:4]}; it was written by a different version of the model")
-        for name, w in model.state_dict().items():  # checkpoints from before the input projection's padding
-            if name.endswith("mixer.in_proj.weight") and state[name].shape[0] < w.shape[0] == -(-state[name].shape[0] // 8) * 8:
-                state[name] = torch.cat([state[name], state[name].new_zeros(w.shape[0] - state[name].shape[0], w.shape[1])])
+                             f"{sorted(unexpected)[:4]}, other shapes {sorted(resized)[:4]}; it was written by a "
+                             "different version of the model")
         model.load_state_dict(state)
         return model
 

@@ -1,5 +1,6 @@
 """
-GPU correctness of kernel.py against the float64 reference (model.kla_chunkwise, run in float64 on the GPU).
+GPU correctness of kernel.py and kernel_decode.py against the float64 references (model.kla_chunkwise and
+model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
     python test_gpu.py [--out=DIR] [--cases=0,3] [--paths=default,alt] [--large] [--smoke]
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
@@ -7,10 +8,12 @@ the sequential forward, or afterwards by _fwd_o_kernel from the saved states), w
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
 (q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
-Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph.
+Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph;
+the fused decoding kernels (kernel_decode.py) in a one-layer model; the whole model decoding.
 --smoke runs two tiny cases on the CPU in Triton's interpreter (float32 only), to check the script itself.
 """
 
+import contextlib
 import math
 import os
 import sys
@@ -41,10 +44,14 @@ def make_inputs(B, T, H, K, V, knorm, h0, device, gen, decay="mixed", edge=False
     k = k * torch.exp(lo + (hi - lo) * torch.rand(B, T, H, 1, device=device, generator=gen))
     v = torch.randn(B, T, H, V, device=device, generator=gen)
     # Mamba2-like decays: some heads slow, some fast (mixed); strong: g ~ -5 (state forgotten within a few
-    # tokens); weak: g ~ -1e-4; none: g = 0
+    # tokens); weak: g ~ -1e-4; none: g = 0; cut: mixed with some g = -inf; alternating: -1e4 and -0.01
     g = torch.zeros(B, T, H, device=device)
     if decay != "none":
-        g = -torch.exp(g.uniform_(*DECAY[decay], generator=gen))
+        g = -torch.exp(g.uniform_(*DECAY.get(decay, DECAY["mixed"]), generator=gen))
+    if decay == "cut":  # full forgetting (document boundaries): every 7th token, and the last of a chunk with
+        g[:, ::7], g[:, 63:66] = float("-inf"), float("-inf")  # the first two of the next
+    if decay == "alternating":  # strongly negative gates beside weak ones
+        g[:, ::2], g[:, 1::2] = -1e4, -0.01
     eta = torch.rand(B, T, H, device=device, generator=gen)
     if edge:  # zero keys (every 7th token), eta exactly 0 and 1, g = 0 on a stretch
         k[:, ::7] = 0.
@@ -124,36 +131,39 @@ def check_large(device, gen):
     return errs, finite
 
 
-def check_decode_mixer(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300, block=False):
-    """kernel.kla_decode_mixer inside model.DeltaMixer (GPT-2-small's layer: 6 heads, d_k 96, d_v 192), one
-    token after a 300-token prefill, against the same layer in float64 on the recurrent reference path,
-    both starting from the reference's prefill state: the layer's output, the new state and the three
-    convolution buffers (relative errors). block: the whole model.Block instead (at batch 1 the five kernels
-    of Block._decode_fused: kernel.kla_decode_mixer_split's three, then two of kernel.decode_linear)."""
+def check_decode(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300, autocast=False):
+    """One token through GPT._decode_fused (kernel_decode.py) in a one-layer model of GPT-2-small's width (6 heads,
+    d_k 96, d_v 192) after a 300-token prefill, against the same model in float64 on the recurrent reference
+    path, both starting from the reference's prefill state: the logits, the new state and the three
+    convolution buffers (relative errors). At batch 1 the block runs as five kernels and the head as one
+    (kla_decode_mixer_split, decode_linear); at batch > 1, or under autocast (float32 weights), the mixer runs
+    between the layer's projections as one kernel (kla_decode_mixer)."""
     torch.manual_seed(0)
-    cfg = model.GPTConfig(n_embd=width, n_head=heads, mixer=mixer, backend="triton")
-    layer = model.Block if block else model.DeltaMixer
-    fused = layer(cfg).to(device).to(dtype).eval()
+    cfg = model.GPTConfig(n_layer=1, vocab_size=512, n_embd=width, n_head=heads, mixer=mixer, backend="triton")
+    fused = model.GPT(cfg).to(device).to(torch.float32 if autocast else dtype).eval()
     for name, p in fused.named_parameters():  # norms' weights away from their initial ones: a lost one shows
         if "norm" in name:
             p.data.uniform_(0.5, 1.5)
-        elif block and p.dim() == 2 and "conv" not in name:  # projections at unit gain: what the block adds
-            p.data.normal_(0, p.shape[1] ** -0.5)  # to its input is then 0.8 of its size (at 0.02: 0.19), so
-            # that an error there shows in the output (the PyTorch path in bf16 on the CPU: 5.8e-3 off float64)
-    ref = layer(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
+        elif p.dim() == 2 and "conv" not in name:  # embeddings of unit size, projections at unit gain: what
+            p.data.normal_(0, 1.0 if name == "wte.weight" else p.shape[1] ** -0.5)  # the block adds to its input
+            # is then about as large as the input, so that an error there shows in the logits
+    ref = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
     ref = ref.to(device).double().eval()
     ref.load_state_dict(fused.state_dict())
-    x = torch.randn(B, prompt + 1, width, device=device)
+    idx = torch.randint(512, (B, prompt + 1), device=device)
+    ctx = torch.autocast(device, dtype=dtype) if autocast else contextlib.nullcontext()
     with torch.no_grad():
-        c_f, c_r = {}, {}
-        fused(x[:, :prompt].to(dtype), c_f)
-        ref(x[:, :prompt].double(), c_r)
-        for key in c_f:
-            c_f[key].copy_(c_r[key])
-        y_f = fused(x[:, prompt:].to(dtype), c_f)
-        y_r = ref(x[:, prompt:].double(), c_r)
-    errs = {"out": rel(y_f, y_r)}
-    errs.update({key: rel(c_f[key], c_r[key]) for key in ("state", "q_conv", "k_conv", "v_conv")})
+        c_f, c_r = fused.new_cache(), ref.new_cache()
+        with ctx:
+            fused(idx[:, :prompt], cache=c_f)
+        ref(idx[:, :prompt], cache=c_r)
+        for key in c_f[0]:
+            c_f[0][key].copy_(c_r[0][key])
+        with ctx:
+            y_f = fused(idx[:, prompt:], cache=c_f)[0]
+        y_r = ref(idx[:, prompt:], cache=c_r)[0]
+    errs = {"logits": rel(y_f, y_r)}
+    errs.update({key: rel(c_f[0][key], c_r[0][key]) for key in ("state", "q_conv", "k_conv", "v_conv")})
     return errs
 
 
@@ -195,7 +205,8 @@ def main():
     wide, unit = (1e-2, 1e2), (1.0, 1.0)
     if smoke:
         cases = [(1, 1, 1, 32, 32, f32, True, True, wide, {}), (1, 70, 2, 32, 16, f32, False, True, wide, {}),
-                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(eps=0.0, edge=True, decay="weak"))]
+                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(eps=0.0, edge=True, decay="weak")),
+                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(decay="cut"))]
     else:  # (B, T, H, K, V, dtype, initial state, kaczmarz, key norms)
         cases = [  # most important first: a timeout still leaves the earlier rows in the table
             (2, 1000, 4, 128, 128, bf16, True, True, wide),
@@ -213,7 +224,7 @@ def main():
             (2, 1000, 4, 128, 128, bf16, True, False, unit),
             (1, 300, 3, 48, 96, f32, True, True, wide),
             (2, 500, 2, 128, 128, f32, True, False, unit),
-            # robustness (issue 6): long sequences with strong / weak / no decay, extreme key norms, eps = 0
+            # robustness: long sequences with strong / weak / no decay, extreme key norms, eps = 0
             (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="strong", grad=False)),
             (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="weak", grad=False)),
             (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="strong")),
@@ -224,6 +235,11 @@ def main():
             (2, 1000, 4, 64, 64, bf16, True, True, (1e2, 1e4), {}),
             (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(eps=0.0, edge=True)),
             (2, 1000, 4, 128, 128, f32, True, True, wide, dict(eps=0.0, edge=True)),
+            # full forgetting (g = -inf) and strongly negative gates beside weak ones
+            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(decay="cut")),
+            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(decay="cut")),
+            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(decay="alternating")),
+            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(decay="alternating")),
         ]
         cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
@@ -272,16 +288,18 @@ def main():
         lines.append(f"step B={B} kaczmarz={kacz}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
                      + f" {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
-    lines += ["", "the fused decoding kernel in the layer (6 heads, d_k 96, d_v 192) vs float64, one token:", ""]
-    for B, dtype, mixer, block in ([(1, f32, "kla", False), (1, f32, "kla", True)] if smoke else
-                                   [(1, bf16, "kla", False), (64, bf16, "kla", False), (1, f32, "kla", False),
-                                    (4, bf16, "gdn", False), (1, bf16, "kla", True), (1, f32, "kla", True),
-                                    (1, bf16, "gdn", True)]):
-        errs = check_decode_mixer(device, B, dtype, mixer, block=block,
-                                  **(dict(width=96, heads=2, prompt=70) if smoke else {}))
+    lines += ["", "the fused decoding kernels (kernel_decode.py) in a one-layer model (6 heads, d_k 96, d_v 192) vs "
+              "float64, one token:", ""]
+    for B, dtype, mixer, autocast in ([(1, f32, "kla", False), (2, f32, "kla", False)] if smoke else
+                                      [(1, bf16, "kla", False), (1, f32, "kla", False), (1, bf16, "gdn", False),
+                                       (64, bf16, "kla", False), (2, f32, "kla", False), (4, bf16, "gdn", False),
+                                       (1, bf16, "kla", True)]):
+        errs = check_decode(device, B, dtype, mixer, autocast=autocast,
+                            **(dict(width=96, heads=2, prompt=70) if smoke else {}))
         ok = all(e < TOL[dtype] for e in errs.values())
         failures += not ok
-        lines.append(f"decode {'block' if block else 'mixer'} B={B} {str(dtype)[6:]} {mixer}: "
+        path = "kla_decode_mixer" if B > 1 or autocast else "five kernels a block"
+        lines.append(f"decode B={B} {str(dtype)[6:]}{' autocast' if autocast else ''} {mixer} ({path}): "
                      + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
     lines += ["", "the whole model decoding (KLA, float32, 2 layers, batch 2 and 1, 100-token prompt, 24 greedy tokens)"
