@@ -152,6 +152,47 @@ def test_edge_values(fn):
     assert rel_err(S5, g[:, 5].exp()[..., None, None] * h0) < 1e-14  # the zero key only decayed the state
 
 
+def forgetting_gates(T, seed=0):
+    """Decays in [-0.5, 0] with g = -inf (a decay of exactly 0: a document boundary) at the first token, inside
+    a chunk, at the last token of a chunk of 16 and the first two of the next (consecutive), and at the end."""
+    g = make_inputs(T=T, seed=seed)[3]
+    for t in (0, 5, 15, 16, 17, T - 1):
+        g[:, t] = float("-inf")
+    return g
+
+
+@pytest.mark.parametrize("C", [16, 64])
+def test_full_forgetting_g_minus_inf(C):
+    """g = -inf (full forgetting) anywhere: the chunkwise reference equals the recurrence, output, state and
+    every gradient, all finite, dg 0 at those gates (the decay's derivative there, exp(-inf) = 0); and the
+    outputs from a boundary on are those of the sequence started there from a zero state."""
+    q, k, v, g, eta, h0 = make_inputs(T=40, norm_range=(-1, 1))
+    g = forgetting_gates(40)
+    ref = outputs_and_grads(kla_recurrent, [q, k, v, g, eta, h0])
+    out = outputs_and_grads(kla_chunkwise, [q, k, v, g, eta, h0], chunk_size=C)
+    for name, a, b in zip(NAMES, out, ref):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all() and rel_err(a, b) < 1e-10, name
+    cut = torch.isinf(g)
+    assert (ref[5][cut] == 0).all() and (out[5][cut] == 0).all()
+    o_after, _ = kla_chunkwise(*(x[:, 17:] for x in (q, k, v, g, eta)), chunk_size=C)
+    assert rel_err(out[0][:, 17:], o_after) < 1e-12
+
+
+@pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
+def test_strongly_negative_gates_float32(fn):
+    """Gates of -1e4 beside gates of -0.01 (alternating, and log-uniform over [-1e4, -1e-4]): in float32
+    within the references' float32 tolerance of float64."""
+    inputs = make_inputs(T=100, norm_range=(-1, 1))
+    alternating = torch.where(torch.arange(100)[:, None] % 2 == 0, -1e4, -0.01).double().expand_as(inputs[3])
+    spread = -10 ** torch.empty_like(inputs[3]).uniform_(-4, 4, generator=torch.Generator().manual_seed(5))
+    for g in (alternating, spread):
+        inputs[3] = g
+        ref = outputs_and_grads(kla_recurrent, inputs)
+        out = outputs_and_grads(fn, [x.float() for x in inputs])
+        for name, a, b in zip(NAMES, out, ref):
+            assert rel_err(a, b) < 1e-4, name
+
+
 def test_bf16_inputs_keep_dtype_and_state_float32():
     q, k, v, g, eta, _ = make_inputs(T=40, dtype=torch.float32)
     o, S = kla_chunkwise(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, eta, output_final_state=True)
@@ -289,6 +330,31 @@ def test_input_errors_name_the_problem():
         for args, kw, msg in cases:
             with pytest.raises(ValueError, match=msg):
                 fn(*args, **kw)
+
+
+def test_reference_argument_errors():
+    """eps < 0, an empty batch and chunk_size <= 0: one ValueError before any work, naming the value and the
+    allowed range."""
+    q, k, v, g, eta, _ = make_inputs(T=8)
+    for fn in (kla_recurrent, kla_chunkwise):
+        with pytest.raises(ValueError, match=r"eps must be >= 0, got -1e-06"):
+            fn(q, k, v, g, eta, eps=-1e-6)
+        with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 8\)"):
+            fn(q[:0], k[:0], v[:0], g[:0], eta[:0])
+    for C in (0, -4):
+        with pytest.raises(ValueError, match=f"chunk_size must be a positive integer, got {C}"):
+            kla_chunkwise(q, k, v, g, eta, chunk_size=C)
+
+
+@pytest.mark.parametrize("field,value,phrase", [
+    ("n_head", 0, "n_head must be an integer >= 1, got 0"), ("n_layer", 0, "n_layer must be an integer >= 1"),
+    ("n_embd", -8, "n_embd must be an integer >= 1, got -8"), ("block_size", 0, "block_size must be"),
+    ("vocab_size", 0, "vocab_size must be"), ("conv_size", 0, "conv_size must be"),
+    ("chunk_size", 0, "chunk_size must be an integer >= 1, got 0"), ("kla_eps", -1.0, "kla_eps must be >= 0, got -1.0"),
+    ("norm_eps", -1e-5, "norm_eps must be >= 0")])
+def test_model_config_ranges(field, value, phrase):
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        GPTConfig(**{field: value})
 
 
 def test_model_config_errors():
@@ -530,6 +596,38 @@ def test_kernel_edge_values():
         assert torch.isfinite(a).all() and rel_err(a, b) < 1e-4, name
     o, h1 = kernel.kla_step(*(x[:, 5:6].float() for x in (q, k, v, g, eta)), h0.float(), eps=0.0)
     assert torch.isfinite(o).all() and rel_err(h1, g[:, 5].exp()[..., None, None] * h0) < 1e-6
+
+
+def test_kernel_full_forgetting_and_strong_gates():
+    """g = -inf at the first token, the last of a chunk with the first two of the next, and the end; and gates
+    of -1e4 beside -0.01: the kernel agrees with the float64 recurrence, output and every gradient, dg 0 at
+    the -inf gates; the decode step forgets the whole state."""
+    q, k, v, _, eta, h0 = make_inputs(1, 70, 2, 32, 32, norm_range=(-1, 1))
+    g = make_inputs(1, 70, 2, 32, 32)[3]
+    g[:, [0, 10, 63, 64, 65, 69]] = float("-inf")
+    alternating = torch.where(torch.arange(70)[:, None] % 2 == 0, -1e4, -0.01).double().expand_as(g)
+    for gates in (g, alternating):
+        ref = outputs_and_grads(kla_recurrent, [q, k, v, gates, eta, h0])
+        out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in (q, k, v, gates, eta, h0)])
+        for name, a, b in zip(NAMES, out, ref):
+            assert torch.isfinite(a).all() and rel_err(a, b) < 1e-4, name
+        assert (out[5][torch.isinf(gates)] == 0).all()
+    o, h1 = kernel.kla_step(*(x[:, :1].float() for x in (q, k, v, g, eta)), h0.float())
+    o_ref, h1_ref = kla_recurrent(*(x[:, :1] for x in (q, k, v, g, eta)), output_final_state=True)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
+
+
+def test_kernel_argument_errors():
+    """eps < 0 and an empty batch: one ValueError from kla_chunk and kla_step before any work."""
+    q, k, v, g, eta, h0 = make_inputs(1, 8, 2, 32, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"eps must be >= 0, got -0.5"):
+        kernel.kla_chunk(q, k, v, g, eta, eps=-0.5)
+    with pytest.raises(ValueError, match=r"eps must be >= 0"):
+        kernel.kla_step(*(x[:, :1] for x in (q, k, v, g, eta)), h0, eps=-1.0)
+    with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 8\)"):
+        kernel.kla_chunk(q[:0], k[:0], v[:0], g[:0], eta[:0])
+    with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 1\)"):
+        kernel.kla_step(*(x[:0, :1] for x in (q, k, v, g, eta)), h0[:0])
 
 
 def test_kernel_noncontiguous_no_grad_and_scale():
