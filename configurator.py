@@ -7,6 +7,9 @@ first runs config/override_file.py (plain Python that assigns some of those glob
 each --key=value. Every key must already exist as a global of type int, float, bool or str, and every
 value must have that type (an int is accepted for a float): a typo or a wrong type is one clear error
 and a non-zero exit before anything runs, not a silently ignored setting or a traceback.
+
+It also gives the script check() and check_device(), with which it checks the range of every setting
+right after the overrides, before any work: a value out of range is the same kind of one-line error.
 """
 import sys
 import types
@@ -57,3 +60,33 @@ for _arg in sys.argv[1:]:
                 _value = _val
         globals()[_key] = _checked(_key, _value, _arg)
         print(f"Overriding: {_key} = {globals()[_key]!r}")
+
+
+def check(key, ok, allowed):
+    """A setting outside its allowed range: one line naming the value and the range, exit 2."""
+    if not ok:
+        _config_error(f"{key} = {globals()[key]!r}: must be {allowed}")
+
+
+def check_device(device, dtype):
+    """The device must be one this machine has, and the dtype one it computes in. Half precision on the CPU
+    works but is several times slower than float32 there: a warning. Returns the device type."""
+    import torch
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        _config_error(f"device = {device!r}: must be 'cpu', 'cuda', 'cuda:<index>' or 'mps'")
+    if kind == "cuda" and not torch.cuda.is_available():
+        _config_error(f"device = {device!r}: no CUDA GPU is available here; use --device=cpu")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        _config_error(f"device = {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                      f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        _config_error(f"device = {device!r}: MPS is not available here; use --device=cpu")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        _config_error(f"dtype = {dtype!r}: must be 'float32', 'bfloat16' or 'float16'")
+    if dtype == "bfloat16" and kind == "cuda" and not torch.cuda.is_bf16_supported():
+        _config_error("dtype = 'bfloat16': this GPU does not support it; use --dtype=float16 or float32")
+    if dtype != "float32" and kind == "cpu":
+        print(f"warning: dtype = {dtype!r} on the CPU runs several times slower than float32 "
+              "(--dtype=float32)", file=sys.stderr)
+    return kind

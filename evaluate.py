@@ -46,13 +46,21 @@ def fail(msg):
     sys.exit(1)
 
 
+# every setting checked before any work: one line naming the value and what it may be (configurator.py)
+device_type = check_device(device, dtype)
+check("batch_size", batch_size >= 1, ">= 1")
+check("factors", all(f.strip().isdigit() and int(f) >= 1 for f in factors.split(",")),
+      "integers >= 1 separated by commas, e.g. 1,2,4,8")
+check("eval_batches", eval_batches >= 1, ">= 1")
+check("max_examples", max_examples >= 0, ">= 0 (0: all)")
+check("seed", seed >= 0, ">= 0")
+
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
-    model = GPT.from_checkpoint(checkpoint).to(device).eval()
+    model = GPT.from_checkpoint(checkpoint, backend="auto").to(device).eval()  # the fastest path here
 except ValueError as err:
     fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))
-device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 model.set_backend(device_type)
 meta, config = checkpoint["meta"], checkpoint["config"]
@@ -116,6 +124,9 @@ name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained
 print(f"{name}\n\n| length | x train | {column} |\n|---|---|---|")
 for r in results:
     print(f"| {r['length']} | {r['length'] / block_size:g} | {r[column]:.4f} |")
-with open(os.path.join(out_dir, "eval.json"), "w") as f:
-    json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
-               "iter_num": checkpoint["iter_num"], "results": results}, f, indent=1)
+try:
+    with open(os.path.join(out_dir, "eval.json"), "w") as f:
+        json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
+                   "iter_num": checkpoint["iter_num"], "results": results}, f, indent=1)
+except OSError as err:
+    fail(f"cannot write {os.path.join(out_dir, 'eval.json')}: {err.strerror}")

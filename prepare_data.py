@@ -288,4 +288,6 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
 if __name__ == "__main__":
     dataset, data_dir, source_dir, max_tokens, n_train = "shakespeare_char", "data", "", 100_000_000, 0
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    check("max_tokens", max_tokens >= 1, ">= 1")
+    check("n_train", n_train >= 0, ">= 0 (0: the authors' 20,000)")
     prepare(dataset, data_dir, source_dir or None, max_tokens, n_train)

@@ -10,6 +10,7 @@ import os
 # see train.py: spinning OpenMP threads are very slow on a CPU shared with other processes
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -40,21 +41,21 @@ def fail(msg):
     sys.exit(1)
 
 
-if max_new_tokens <= 0:
-    fail(f"max_new_tokens must be positive, got {max_new_tokens}")
-if temperature < 0:
-    fail(f"temperature must be >= 0, got {temperature}")
-if dtype not in ("float32", "bfloat16", "float16"):
-    fail(f"dtype must be 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+# every setting checked before any work: one line naming the value and what it may be (configurator.py)
+device_type = check_device(device, dtype)
+check("num_samples", num_samples >= 1, ">= 1")
+check("max_new_tokens", max_new_tokens >= 1, ">= 1")
+check("temperature", 0 <= temperature < math.inf, "a finite number >= 0 (0: greedy)")
+check("top_k", top_k >= 0, ">= 0 (0: all tokens)")
+check("seed", seed >= 0, ">= 0")
 torch.manual_seed(seed)
-device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
-    model = GPT.from_checkpoint(checkpoint)
+    model = GPT.from_checkpoint(checkpoint, backend="auto")  # the fastest path here, whatever it was trained with
 except ValueError as err:
     fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))
 model.eval()

@@ -11,6 +11,9 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/train_fineweb_edu.py 
 Resuming is exact: the batches of iteration i are a function of (seed, i, rank), and the checkpoint
 holds everything else (weights, optimizer, RNG states), so on CPU in float32 an interrupted and
 resumed run reproduces the uninterrupted run's losses bit for bit.
+
+Nothing is lost and nothing fails late: every setting is checked before any work, a run from scratch
+never writes over a checkpoint in its out_dir, and a failed or interrupted save leaves the last one.
 """
 
 import os
@@ -19,6 +22,7 @@ import os
 # that makes PyTorch's CPU ops up to ~10x slower. Passive waiting costs little on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import errno
 import json
 import math
 import random
@@ -35,8 +39,9 @@ import prepare_data
 from model import GPT, GPTConfig, read_checkpoint
 
 # -----------------------------------------------------------------------------
-# default config values: a KLA model on shakespeare_char, sized for the device found.
-# On CPU ~1M parameters and 64-token contexts, so that the default run ends in minutes.
+# default config values: a KLA model on shakespeare_char, sized for the device found (also when --device
+# names another: give the sizes and --dtype with it). On CPU ~1M parameters and 64-token contexts, so that
+# the default run ends in minutes.
 device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 _gpu = device == "cuda"
 # I/O
@@ -46,7 +51,7 @@ eval_iters = 100 if _gpu else 20
 log_interval = 10
 always_save_checkpoint = False  # if False, save only when the val loss improves
 patience = 0  # stop after this many evaluations in a row without a better val loss; 0: never stop early
-init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = "scratch"  # 'scratch' (refused if out_dir/ckpt.pt exists) or 'resume' (from out_dir/ckpt.pt)
 sample_tokens = 500  # printed at the end of training by the master process; 0 for none
 # data
 dataset = "shakespeare_char"
@@ -76,8 +81,8 @@ skip_nonfinite = False  # a non-finite loss or gradient: False stops the run, Tr
 # learning rate schedule: linear warmup, then cosine decay to min_lr
 decay_lr = True
 warmup_iters = 100
-lr_decay_iters = 0  # 0: decay until max_iters
-min_lr = learning_rate / 10
+lr_decay_iters = 0  # 0: max_iters
+min_lr = -1.0  # -1: learning_rate / 10
 # system
 seed = 1337
 dtype = "bfloat16" if _gpu and torch.cuda.is_bf16_supported() else "float16" if _gpu else "float32"
@@ -85,7 +90,6 @@ compile = False  # torch.compile the model
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-config = {k: globals()[k] for k in config_keys}  # the resolved config, printed and saved in checkpoints
 # -----------------------------------------------------------------------------
 
 
@@ -97,10 +101,57 @@ def fail(msg):
     sys.exit(1)
 
 
-if init_from not in ("scratch", "resume"):
-    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
-if dtype not in ("float32", "bfloat16", "float16"):
-    fail(f"dtype must be 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+# every setting checked before any work: one line naming the value and what it may be (configurator.py)
+device_type = check_device(device, dtype)
+check("out_dir", out_dir and not os.path.isfile(out_dir), "a directory (made if missing), not a file")
+check("eval_interval", eval_interval >= 1, ">= 1")
+check("log_interval", log_interval >= 1, ">= 1")
+check("eval_iters", eval_iters >= 1, ">= 1")
+check("patience", patience >= 0, ">= 0 (0: never stop early)")
+check("init_from", init_from in ("scratch", "resume"), "'scratch' or 'resume'")
+check("sample_tokens", sample_tokens >= 0, ">= 0 (0: no sample)")
+check("gradient_accumulation_steps", gradient_accumulation_steps >= 1, ">= 1")
+check("batch_size", batch_size >= 1, ">= 1")
+check("block_size", block_size >= 1, ">= 1")
+check("n_layer", n_layer >= 1, ">= 1")
+check("n_head", n_head >= 1, ">= 1")
+check("n_embd", n_embd >= 1, ">= 1")
+check("mixer", mixer in ("kla", "gdn", "attn"), "'kla', 'gdn' or 'attn'")
+check("expand_k", 0 < expand_k < math.inf, "a finite number > 0")
+check("expand_v", 0 < expand_v < math.inf, "a finite number > 0")
+check("conv_size", conv_size >= 1, ">= 1")
+check("mlp_hidden", mlp_hidden >= 0, ">= 0 (0: 8/3 n_embd)")
+check("chunk_size", chunk_size >= 1, ">= 1")
+check("backend", backend in ("auto", "triton", "chunkwise", "recurrent"), "'auto', 'triton', 'chunkwise' or 'recurrent'")
+check("backend", backend != "triton" or device_type == "cuda",
+      f"'auto', 'chunkwise' or 'recurrent' on device {device!r} (the Triton kernel needs a CUDA GPU)")
+check("learning_rate", 0 <= learning_rate < math.inf, "a finite number >= 0")
+check("max_iters", max_iters >= 1, ">= 1")
+check("weight_decay", 0 <= weight_decay < math.inf, "a finite number >= 0")
+check("beta1", 0 <= beta1 < 1, "in [0, 1)")
+check("beta2", 0 <= beta2 < 1, "in [0, 1)")
+check("grad_clip", 0 <= grad_clip < math.inf, "a finite number >= 0 (0: no clipping)")
+check("warmup_iters", warmup_iters >= 0, ">= 0")
+check("lr_decay_iters", lr_decay_iters >= 0, ">= 0 (0: max_iters)")
+check("min_lr", min_lr == -1 or 0 <= min_lr and (min_lr <= learning_rate or not decay_lr),
+      f"in [0, learning_rate = {learning_rate:g}] (-1: learning_rate / 10)")
+check("seed", seed >= 0, ">= 0")
+# defaults derived from other settings, resolved after the overrides so that they follow them
+min_lr = learning_rate / 10 if min_lr == -1 else min_lr
+lr_decay_iters = lr_decay_iters or max_iters
+config = {k: globals()[k] for k in config_keys}  # the resolved config, saved in checkpoints
+# the model's own checks (e.g. n_embd divisible by n_head); the vocabulary comes from the data, below
+model_args = dict(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mixer=mixer,
+                  expand_k=expand_k, expand_v=expand_v, conv_size=conv_size, mlp_hidden=mlp_hidden,
+                  chunk_size=chunk_size, backend=backend)
+try:
+    GPTConfig(**model_args)
+except ValueError as err:
+    fail(str(err))
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+if init_from == "scratch" and os.path.exists(ckpt_path):
+    fail(f"{ckpt_path} holds a trained model: continue it with --init_from=resume, or train from scratch "
+         f"into another --out_dir (or delete {ckpt_path} first)")
 
 # DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain `python train.py` is one process
 ddp = int(os.environ.get("RANK", -1)) != -1
@@ -117,12 +168,16 @@ if ddp:
 else:
     rank, local_rank, world_size = 0, 0, 1
 master_process = rank == 0  # logs, evaluates, writes checkpoints
-device_type = "cuda" if device.startswith("cuda") else device.split(":")[0]
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
 if master_process:
     print(f"tokens per iteration: {tokens_per_iter:,} "
           f"({gradient_accumulation_steps} x {world_size} x {batch_size} x {block_size})")
-    os.makedirs(out_dir, exist_ok=True)
+    print(f"learning rate {learning_rate:.1e}, " + (f"warmup {warmup_iters} iterations, cosine decay to {min_lr:.1e} "
+          f"at iteration {lr_decay_iters}" if decay_lr else "constant"))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        fail(f"cannot make out_dir {out_dir}: {err.strerror}")
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -141,19 +196,30 @@ for name in ("meta.json", "train.bin", "val.bin"):
     if not os.path.exists(os.path.join(data_path, name)):
         fail(f"{os.path.join(data_path, name)} not found; prepare the data first "
              "(python prepare_data.py --dataset=...)")
-with open(os.path.join(data_path, "meta.json")) as f:
-    meta = json.load(f)
-data_dtype = np.dtype(meta["dtype"])
-example_length = meta.get("example_length")  # the synthetic tasks: whole examples with their own labels
+try:
+    with open(os.path.join(data_path, "meta.json")) as f:
+        meta = json.load(f)
+    data_dtype, model_args["vocab_size"] = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+    example_length = meta.get("example_length")  # the synthetic tasks: whole examples with their own labels
+except (ValueError, KeyError, TypeError, AttributeError) as err:
+    fail(f"{os.path.join(data_path, 'meta.json')} is damaged ({type(err).__name__}: {err}); prepare the data "
+         f"again (python prepare_data.py --dataset={dataset})")
 if example_length and block_size != example_length:
     fail(f"{data_path} holds examples of {example_length} tokens: set --block_size={example_length}")
 for split in ("train", "val"):
-    n_tokens = os.path.getsize(os.path.join(data_path, f"{split}.bin")) // data_dtype.itemsize
+    path = os.path.join(data_path, f"{split}.bin")
+    if os.path.getsize(path) % data_dtype.itemsize:
+        fail(f"{path} holds {os.path.getsize(path)} bytes, not a whole number of {data_dtype.name} tokens "
+             f"({data_dtype.itemsize} bytes each): a damaged file; prepare the data again")
+    n_tokens = os.path.getsize(path) // data_dtype.itemsize
     if example_length and n_tokens < example_length:
-        fail(f"{os.path.join(data_path, split + '.bin')} holds no complete example of {example_length} tokens")
+        fail(f"{path} holds no complete example of {example_length} tokens")
+    if example_length and not (os.path.exists(os.path.join(data_path, f"{split}_labels.bin")) and
+                               os.path.getsize(os.path.join(data_path, f"{split}_labels.bin")) == 2 * n_tokens):
+        fail(f"{os.path.join(data_path, split + '_labels.bin')} is missing or does not hold one int16 label "
+             f"for each of the {n_tokens} tokens of {path}; prepare the data again")
     if not example_length and n_tokens <= block_size:
-        fail(f"{os.path.join(data_path, split + '.bin')} holds {n_tokens} tokens, "
-             f"fewer than block_size + 1 = {block_size + 1}")
+        fail(f"{path} holds {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}")
 
 
 def get_batch(split, key):
@@ -184,11 +250,7 @@ def get_batch(split, key):
 
 
 # model
-model_args = dict(block_size=block_size, vocab_size=meta["vocab_size"], n_layer=n_layer, n_head=n_head,
-                  n_embd=n_embd, mixer=mixer, expand_k=expand_k, expand_v=expand_v, conv_size=conv_size,
-                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend)
 iter_num, best_val_loss, evals_since_best = 0, float("inf"), 0
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "resume":
     try:
         checkpoint = read_checkpoint(ckpt_path)  # on the CPU (RNG states there; weights moved below)
@@ -201,6 +263,9 @@ if init_from == "resume":
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_since_best = checkpoint.get("evals_since_best", 0)
+    if iter_num >= max_iters:
+        fail(f"{ckpt_path} is at iteration {iter_num}, max_iters = {max_iters}: nothing left to train; "
+             "set --max_iters higher")
 try:
     gptconf = GPTConfig(**model_args)
 except ValueError as err:
@@ -222,10 +287,8 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float1
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
-    for p in model.parameters():  # AdamW's moments in a checkpoint from before the input projection's padding
-        for k, t in optimizer.state.get(p, {}).items():
-            if torch.is_tensor(t) and t.dim() == p.dim() == 2 and t.shape[1:] == p.shape[1:] and t.shape[0] < p.shape[0]:
-                optimizer.state[p][k] = torch.cat([t, t.new_zeros(p.shape[0] - t.shape[0], *t.shape[1:])])
+    if any(t.dim() and t.shape != p.shape for p in model.parameters() for t in optimizer.state.get(p, {}).values()):
+        fail(f"{ckpt_path}: its optimizer state does not match the model's weights (another version of train.py?)")
     scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
@@ -263,12 +326,11 @@ def estimate_loss():
 
 
 def get_lr(it):
-    decay_iters = lr_decay_iters or max_iters
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
-    if it > decay_iters:
+    if it > lr_decay_iters:
         return min_lr
-    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup_iters) / max(1, decay_iters - warmup_iters)))
+    coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)))
     return min_lr + coeff * (learning_rate - min_lr)
 
 
@@ -295,6 +357,8 @@ def save_checkpoint():
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
     }
+    if not all(torch.isfinite(t).all() for t in obj["model"].values() if t.is_floating_point()):
+        fail(f"the weights are not finite at iteration {iter_num}; {ckpt_path} keeps the last good ones")
     tmp = ckpt_path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -302,26 +366,47 @@ def save_checkpoint():
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, ckpt_path)
-    except BaseException:
+        dir_fd = os.open(out_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # makes the rename itself durable
+        finally:
+            os.close(dir_fd)
+    except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise
-    dir_fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # makes the rename itself durable
-    finally:
-        os.close(dir_fd)
+        if not isinstance(err, OSError):
+            raise
+        why = "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
+        fail(f"cannot write {ckpt_path} at iteration {iter_num}: {why}; the last checkpoint saved is untouched"
+             + ("; free some space, then continue with --init_from=resume" if err.errno == errno.ENOSPC else ""))
 
 
 log_path = os.path.join(out_dir, "log.jsonl")
-if master_process and init_from == "scratch":
-    open(log_path, "w").close()  # a new run starts a new log; a resumed one appends to its own
 
 
 def log(record):
     """Append one record to out_dir/log.jsonl, the machine-readable twin of the printed lines."""
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:
+        fail(f"cannot write {log_path}: {err.strerror}")
+
+
+if master_process:
+    # a new run starts a new log; a resumed one keeps the records of the iterations before its checkpoint's,
+    # so that the log is that of the run it continues (a killed run may have logged past its last checkpoint)
+    kept = []
+    if init_from == "resume" and os.path.exists(log_path):
+        for line in open(log_path):
+            try:
+                if line.endswith("\n") and json.loads(line)["iter"] < iter_num:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+                pass
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
 
 
 # MFU is measured against the bf16 dense peak of the GPU found; unknown GPUs and CPUs print n/a
@@ -332,17 +417,44 @@ if device_type == "cuda":
     gpu_name = torch.cuda.get_device_name()
     peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in gpu_name), None)
 
+
+def nonfinite(loss, grad_norm):
+    """What is wrong with a step's loss and gradient norm, or None. (float16's loss scaler expects inf
+    gradients now and then: it skips those steps itself and lowers its scale.)"""
+    if not math.isfinite(loss):
+        return f"the loss is {loss}"
+    if not math.isfinite(grad_norm) and not scaler.is_enabled():
+        return f"the gradient norm is {grad_norm}"
+    return None
+
+
+def check_steps():
+    """Read the loss and gradient norm of every step since the last call, the one wait for the GPU that
+    logging or evaluating makes anyway, and stop at the first non-finite one: its update and those after it
+    are never saved, as saving comes after an evaluation, which calls this first. The last step's loss."""
+    values = torch.stack([s for _, s in steps]).tolist() if steps else []
+    for (it, _), (loss, grad_norm) in zip(steps, values):
+        what = nonfinite(loss, grad_norm)
+        if what:
+            fail(f"{what} at iteration {it}; stopping without saving these weights ({ckpt_path} keeps the last "
+                 "good ones; --skip_nonfinite=True would skip such batches)")
+    steps.clear()
+    return values[-1][0] if values else float("nan")
+
+
 # training loop
 # micro-batch m of process r is global micro-batch r * gradient_accumulation_steps + m: one process with
 # 8 micro-batches and 8 processes with one each train on the same batches
 X, Y = get_batch("train", (0, iter_num, rank * gradient_accumulation_steps))
-t0 = time.time()
+steps = []  # (iteration, its loss and gradient norm on the device) since the last check_steps
+t0, n_timed = time.time(), 0  # the time per iteration is measured over the iterations between two log lines
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
+        check_steps()
         if master_process:
             losses = estimate_loss()
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
@@ -364,7 +476,7 @@ while True:
                     print(f"no better val loss in {patience} evaluations: stopping at iteration {iter_num}; "
                           f"{ckpt_path} holds the best model (val loss {best_val_loss:.4f})")
                 break
-        t0 = time.time()  # the evaluation is not part of the next iteration's time
+        t0, n_timed = time.time(), 0  # the evaluation is not part of the iterations' time
     if iter_num >= max_iters:
         break
 
@@ -381,15 +493,12 @@ while True:
         scaler.scale(loss).backward()
     if ddp:  # every process must see the same loss, or one stops on a NaN while the others wait
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-    lossf = loss_sum.item()
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")).item()
-    # (float16's loss scaler expects inf gradients now and then: it skips those steps and lowers its scale)
-    if not math.isfinite(lossf) or (not math.isfinite(grad_norm) and not scaler.is_enabled()):
-        what = f"the loss is {lossf}" if not math.isfinite(lossf) else f"the gradient norm is {grad_norm}"
-        if not skip_nonfinite:
-            fail(f"{what} at iteration {iter_num}; stopping without saving these weights ({ckpt_path} keeps "
-                 "the last good ones; --skip_nonfinite=True would skip such batches)")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    n_timed += 1
+    step = torch.stack([loss_sum.float(), grad_norm.float()])  # stays on the device until check_steps
+    what = nonfinite(*step.tolist()) if skip_nonfinite else None  # skipping needs the answer before the update
+    if what:
         if master_process:
             print(f"warning: {what} at iteration {iter_num}; skipping this batch", flush=True)
             log({"iter": iter_num, "skipped": what})
@@ -397,18 +506,21 @@ while True:
         scaler.update()
         iter_num += 1
         continue
+    steps.append((iter_num, step))
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
-    t1 = time.time()
-    dt, t0 = t1 - t0, t1
-    if iter_num % log_interval == 0 and master_process:
-        mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak_flops) if peak_flops else None
-        mfu_str = f"{mfu * 100:.1f}%" if mfu is not None else "n/a"
-        print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
-              f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_str}", flush=True)
-        log({"iter": iter_num, "loss": lossf, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt, "mfu": mfu})
+    if iter_num % log_interval == 0:
+        lossf = check_steps()
+        t1 = time.time()
+        dt, t0, n_timed = (t1 - t0) / n_timed, t1, 0
+        if master_process:
+            mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak_flops) if peak_flops else None
+            mfu_str = f"{mfu * 100:.1f}%" if mfu is not None else "n/a"
+            print(f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
+                  f"{tokens_per_iter / dt:,.0f} tok/s, mfu {mfu_str}", flush=True)
+            log({"iter": iter_num, "loss": lossf, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt, "mfu": mfu})
     iter_num += 1
 
 if master_process and sample_tokens > 0 and meta["tokenizer"] != "none":
