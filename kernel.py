@@ -38,7 +38,7 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 The step size beta and its derivatives are the helpers _beta and _dbeta, used by every kernel here and in
 kernel_decode.py (the model's block-level decoding fusions): a new step-size rule changes model.kla_beta
-and those two.
+and those two. The one-token step on a state tile, _delta_step, is shared with kernel_decode.py too.
 Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
@@ -81,6 +81,16 @@ def _dbeta(r2, eta, beta, eps, KACZ: tl.constexpr):
         d_eta = tl.where(d > 0, 1.0 / d, 0.)
         d_r2 = -beta * d_eta
     return d_eta, d_r2
+
+
+@triton.jit
+def _delta_step(S, decay, q, k, v, beta, scale):
+    """One token of the recurrence on a float32 state tile S (K x BV) with q, k (K,), v (BV,): the new state
+    decay S + beta k (v - decay S^T k)^T, and the output S^T (scale q) (BV,)."""
+    S = S * decay
+    e = v - tl.sum(S * k[:, None], 0)
+    S += (beta * k)[:, None] * e[None, :]
+    return S, tl.sum(S * q[:, None], 0) * scale
 
 
 @triton.jit
@@ -564,10 +574,8 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
     beta = _beta(tl.sum(bk * bk, 0), tl.load(eta + i_bh).to(tl.float32), eps, KACZ)
     offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
     ms = mk[:, None] & mv[None, :]
-    S = tl.load(s_in + offs, mask=ms, other=0.).to(tl.float32) * tl.exp(gg)
-    e = bv - tl.sum(S * bk[:, None], 0)
-    S += (beta * bk)[:, None] * e[None, :]
-    tl.store(o + i_bh * V + rv, (tl.sum(S * bq[:, None], 0) * scale).to(o.dtype.element_ty), mask=mv)
+    S, out = _delta_step(tl.load(s_in + offs, mask=ms, other=0.).to(tl.float32), tl.exp(gg), bq, bk, bv, beta, scale)
+    tl.store(o + i_bh * V + rv, out.to(o.dtype.element_ty), mask=mv)
     tl.store(s_out + offs, S, mask=ms)
 
 
@@ -663,10 +671,10 @@ def _pre_config(BK, V, fp32=False):
 
 
 def _bwd_chunk_config(BK, V, fp32=False):
-    """(value columns per step, warps) of _bwd_cc_kernel (the name is kept for bench.py's tune section).
-    BV = 64 with 4 warps, measured on the H200 (`python bench.py --section=tune`, forward + backward, ms):
-    (8, 4096, 16, 128) 4.52 against 5.90 for BV = 16 with 8 warps (the old default, chosen because ptxas
-    reported the fewest spills: 16 B against 844 B at BV = 64), (1, 32768, 16, 128) 6.15 against 7.52,
+    """(value columns per step, warps) of _bwd_cc_kernel, the chunk backward's value loop (bench.py's tune
+    section replaces it by this name). BV = 64 with 4 warps, measured on an H200 (`python bench.py
+    --section=tune`, forward + backward, ms): (8, 4096, 16, 128) 4.52 against 5.90 for BV = 16 with 8 warps
+    (the fewest spills in ptxas: 16 B against 844 B at BV = 64), (1, 32768, 16, 128) 6.15 against 7.52,
     (16, 2048, 8, 64) 1.12 against 1.53. Fewer, wider steps of the value loop beat the spills."""
     if fp32:
         return 16, 4

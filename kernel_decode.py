@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel import _beta, _block_k
+from kernel import _beta, _block_k, _delta_step
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -97,11 +97,8 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
                        i_b * (W - 1) * H * V, H * V, ch_v, mv, W, BW)
         offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
         ms = mk[:, None] & mv[None, :]
-        S = tl.load(state + offs, mask=ms, other=0.) * decay
-        e = tl.where(mv, v, 0.) - tl.sum(S * k[:, None], 0)
-        S += (beta * k)[:, None] * e[None, :]
+        S, o = _delta_step(tl.load(state + offs, mask=ms, other=0.), decay, q, k, tl.where(mv, v, 0.), beta, scale)
         tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
-        o = tl.sum(S * q[:, None], 0) * scale
         sumsq += tl.sum(tl.where(mv, o * o, 0.), 0)
         tl.store(out + i_bh * V + rv, o.to(out.dtype.element_ty), mask=mv)
     rstd = 1. / tl.sqrt(sumsq / V + norm_eps)
@@ -238,11 +235,9 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, scale, eps
     if not KACZ:
         k = k / tl.maximum(tl.sqrt(tl.sum(k * k, 0)), 1e-12)
     beta = _beta(tl.sum(k * k, 0), eta, eps, KACZ)
-    S = S * tl.exp(g)
-    e = v - tl.sum(S * k[:, None], 0)
-    S += (beta * k)[:, None] * e[None, :]
+    S, out = _delta_step(S, tl.exp(g), q, k, v, beta, scale)
     tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
-    out = (tl.sum(S * q[:, None], 0) * scale).to(o.dtype.element_ty)
+    out = out.to(o.dtype.element_ty)
     tl.store(o + i_h * V + rv, out, mask=mv)
     out = tl.where(mv, out.to(tl.float32), 0.)
     tl.store(ssq + i_h * tl.num_programs(0) + i_v, tl.sum(out * out, 0))

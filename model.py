@@ -134,8 +134,8 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
     # exp is 0 as well, so that b stays finite (-inf - -inf is NaN)
     b = g.double().clamp_min(GATE_FLOOR).cumsum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # masked before exp: exp(b_i - b_j) for j > i could overflow
-    gamma = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).to(dtype).exp()  # (B, H, N, C, C)
+    # (B, H, N, C, C), masked before exp: exp(b_i - b_j) for j > i could overflow
+    gamma = (b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")).to(dtype).exp()
     A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * gamma).tril(-1)
     eye = torch.eye(C, dtype=dtype, device=q.device)
     decay_out = b.exp().to(dtype)  # (B, H, N, C)
@@ -169,7 +169,7 @@ else:
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
                      output_final_state=False, kaczmarz=True, chunk_size=64):
     """One entry point for the mixer: backend 'triton', 'chunkwise', 'recurrent', or 'auto' (Triton for
-    CUDA tensors when it imports). A single token with a carried state (decoding) takes the O(1) step; on the
+    CUDA tensors when it is installed). A single token with a carried state (decoding) takes the O(1) step; on the
     Triton path, without autograd, that step writes the new state into initial_state (and returns it)."""
     if backend == "auto":
         backend = "triton" if q.is_cuda and kernel is not None else "chunkwise"

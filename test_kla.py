@@ -439,6 +439,31 @@ def test_in_place_decoding_step(mixer):
         list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
 
 
+FALLBACK = """import sys, warnings
+sys.modules["triton"] = None  # as if Triton were not installed
+import model
+assert model.kernel is None and model.kernel_decode is None
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    assert model.resolve_backend("auto", "cuda") == "chunkwise"
+assert "Triton is not installed" in str(w[0].message) and "much slower" in str(w[0].message)
+try:
+    model.resolve_backend("triton", "cuda")
+except RuntimeError as err:
+    assert "needs Triton" in str(err)
+"""
+
+
+def test_pytorch_fallback_only_without_triton(tmp_path):
+    """model.py falls back to PyTorch (with a warning) only when Triton is not installed; an error inside
+    kernel.py is raised by import model, not hidden behind the slow path."""
+    p = run("-c", FALLBACK)
+    assert p.returncode == 0, p.stderr
+    (tmp_path / "kernel.py").write_text("raise ImportError('a bug inside kernel.py')\n")
+    p = run("-c", f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {ROOT!r}]; import model")
+    assert p.returncode != 0 and "ImportError: a bug inside kernel.py" in p.stderr
+
+
 def test_backends_agree_in_the_model():
     torch.manual_seed(0)
     m = GPT(tiny_config("kla"))
