@@ -523,7 +523,13 @@ while True:
             log({"iter": iter_num, "loss": lossf, "lr": lr, "ms": dt * 1000, "tok_s": tokens_per_iter / dt, "mfu": mfu})
     iter_num += 1
 
+# the checkpoint holds the best weights seen (saved only when the val loss improved): end with those
+if master_process and not always_save_checkpoint and losses["val"] > best_val_loss and os.path.exists(ckpt_path):
+    raw_model.load_state_dict(read_checkpoint(ckpt_path)["model"])
+    print(f"restored the best weights (val loss {best_val_loss:.4f}) from {ckpt_path}; "
+          f"the last evaluation gave {losses['val']:.4f}")
 if master_process and sample_tokens > 0 and meta["tokenizer"] != "none":
+    raw_model.eval()
     encode, decode = prepare_data.get_tokenizer(meta)
     start = torch.tensor([encode("\n")], dtype=torch.long, device=device)
     with ctx:
