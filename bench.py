@@ -357,7 +357,7 @@ def section_profile(device, smoke):
 
 
 # -----------------------------------------------------------------------------
-# The whole model (issue 4): a GPT-2-small-sized LM with each mixer, the same tokens per step
+# The whole model: a GPT-2-small-sized LM with each mixer, the same tokens per step
 
 
 def model_configs(smoke):
@@ -377,7 +377,7 @@ def train_model(mixer, block_size, device, compiled=False, smoke=None):
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
     if compiled:  # in place: model stays the GPT, with get_num_params and flops_per_token. Static shapes,
         # compiled again for each length: torch 2.11's dynamic-shape backward asserted a wrong stride on a
-        # view saved for the backward (notes/h200-session4)
+        # view saved for the backward
         model.compile(dynamic=False)
     return model, opt
 

@@ -216,7 +216,12 @@ def read_checkpoint(path, device="cpu"):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as err:
-        raise ValueError(f"cannot load {path}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        lines = str(err).splitlines() or [""]
+        detail = lines[0]
+        if "weights_only" in detail:  # PyTorch's advice to load with weights_only=False: never for a file we cannot trust
+            detail = next((line.strip() for line in lines[1:] if line.strip() and "weights_only" not in line
+                           and "WeightsUnpickler" not in line), "not a checkpoint written by train.py, or a damaged one")
+        raise ValueError(f"cannot load {path}: {type(err).__name__}: {detail}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -242,6 +247,7 @@ class GPTConfig:
                                # and at batch 1 the whole block as five (GPT._decode_fused)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
 
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
@@ -252,6 +258,8 @@ class GPTConfig:
         for name in ("kla_eps", "norm_eps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.mixer != "attn":
@@ -414,10 +422,11 @@ class Block(nn.Module):
         self.mixer = Attention(config) if config.mixer == "attn" else DeltaMixer(config)
         self.norm2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x, cache=None):
-        x = x + self.mixer(self.norm1(x), cache)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.drop(self.mixer(self.norm1(x), cache))
+        return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class GPT(nn.Module):
@@ -426,6 +435,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -460,7 +470,7 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         if targets is None and self._decodes_fused(idx, cache):
             return self._decode_fused(idx, cache), None
-        x = self.wte(idx)  # (B, T, C)
+        x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
         x = self.norm_f(x)
@@ -474,7 +484,8 @@ class GPT(nn.Module):
         """Whether this call decodes one token through kernel_decode's kernels (GPTConfig.decode_fused): KLA or
         GDN on the Triton backend, a cache that holds a state, no autograd."""
         return (cache is not None and idx.shape[1] == 1 and self.config.decode_fused and self.config.mixer != "attn"
-                and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled())
+                and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled()
+                and not (self.training and self.config.dropout))  # the kernels apply no dropout
 
     def _decode_fused(self, idx, cache):
         """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,

@@ -375,6 +375,23 @@ def tiny_config(mixer, **kw):
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+def test_dropout_only_in_training(mixer):
+    """dropout acts in training mode only: in eval mode the model equals the same weights without dropout, and
+    generation (eval mode, the recurrent path) is the same too."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config(mixer, dropout=0.5))
+    plain = GPT(tiny_config(mixer))
+    plain.load_state_dict(m.state_dict())
+    idx = torch.randint(0, 61, (2, 40))
+    assert m(idx, idx)[1] != m(idx, idx)[1]
+    m.eval(), plain.eval()
+    torch.testing.assert_close(m(idx, idx)[0], plain(idx, idx)[0], rtol=0, atol=0)
+    assert torch.equal(m.generate(idx[:, :8], 6, temperature=0), plain.generate(idx[:, :8], 6, temperature=0))
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
+        GPTConfig(dropout=1.0)
+
+
+@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
 def test_generation_matches_full_forward(mixer):
     """Prefill, a few tokens at once, then one token at a time from the carried state gives the full
     forward's logits (attention: past its first buffer of prompt + 256 keys, so that the cache grows)."""
@@ -1486,6 +1503,20 @@ def test_rerun_keeps_the_trained_model(trained, tiny_data, tmp_path):
         assert (tmp_path / name).read_bytes() == open(os.path.join(trained, name), "rb").read(), name
 
 
+def test_run_ends_at_its_best_weights(tiny_data, tmp_path):
+    """When the last evaluation is worse than the best, train.py reloads the best weights (the checkpoint,
+    saved only on improvement) before its closing sample, and says so; the sample then comes from them."""
+    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--learning_rate=0.1",
+            "--warmup_iters=0", "--decay_lr=False", "--weight_decay=0", "--max_iters=18", "--eval_interval=3",
+            "--sample_tokens=20")
+    assert p.returncode == 0, p.stderr
+    vals = [r["val_loss"] for r in train_log(str(tmp_path)) if "val_loss" in r]
+    assert vals[-1] > min(vals[1:]), vals  # the run got worse after its best (else the test proves nothing)
+    assert f"restored the best weights (val loss {min(vals[1:]):.4f})" in p.stdout, p.stdout
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["best_val_loss"] == min(vals[1:])
+
+
 def test_derived_defaults_follow_the_overrides(tiny_data, tmp_path):
     """min_lr (learning_rate / 10) and lr_decay_iters (max_iters) are resolved after the overrides: the
     schedule follows --learning_rate and --max_iters, and the checkpoint's config holds the values used."""
@@ -1614,7 +1645,6 @@ def test_sample_settings_are_checked_before_any_work(tmp_path):
     assert_each_is_one_line("sample.py", cases, f"--out_dir={tmp_path}", "--device=cpu")  # no checkpoint there
 
 
-@pytest.mark.xfail(strict=True, reason="model.read_checkpoint passes on PyTorch's advice to use weights_only=False")
 def test_not_a_checkpoint_gives_no_unsafe_advice(tmp_path):
     """A file of random bytes as ckpt.pt: one line that does not pass on PyTorch's advice to load it with
     weights_only=False (which would run whatever code an untrusted file holds)."""

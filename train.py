@@ -64,6 +64,7 @@ n_layer = 6 if _gpu else 4
 n_head = 6 if _gpu else 4
 n_embd = 384 if _gpu else 128
 mixer = "kla"  # 'kla' | 'gdn' | 'attn'
+dropout = 0.0  # on the embeddings and each residual branch; may change when resuming
 expand_k = 0.75
 expand_v = 1.5
 conv_size = 4
@@ -143,7 +144,7 @@ config = {k: globals()[k] for k in config_keys}  # the resolved config, saved in
 # the model's own checks (e.g. n_embd divisible by n_head); the vocabulary comes from the data, below
 model_args = dict(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mixer=mixer,
                   expand_k=expand_k, expand_v=expand_v, conv_size=conv_size, mlp_hidden=mlp_hidden,
-                  chunk_size=chunk_size, backend=backend)
+                  chunk_size=chunk_size, backend=backend, dropout=dropout)
 try:
     GPTConfig(**model_args)
 except ValueError as err:
@@ -258,7 +259,7 @@ if init_from == "resume":
         fail(str(err))
     # the backend is how the mixer is computed, not what it computes: it may change between runs
     differ = [f"{k}={checkpoint['model_args'].get(k)!r} (this run: {v!r})" for k, v in model_args.items()
-              if k != "backend" and checkpoint["model_args"].get(k) != v]
+              if k not in ("backend", "dropout") and checkpoint["model_args"].get(k) != v]
     if differ:
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -271,7 +272,7 @@ try:
 except ValueError as err:
     fail(str(err))
 try:
-    model = GPT.from_checkpoint(checkpoint, backend=backend) if init_from == "resume" else GPT(gptconf)
+    model = GPT.from_checkpoint(checkpoint, backend=backend, dropout=dropout) if init_from == "resume" else GPT(gptconf)
 except ValueError as err:
     fail(f"{ckpt_path}: {err}")
 model.to(device)
