@@ -793,13 +793,15 @@ class KLAChunkFunction(torch.autograd.Function):
 
 
 def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
-              kaczmarz=True):
+              kaczmarz=True, cu_seqlens=None):
     """Chunkwise KLA (kaczmarz=True) or gated delta rule (kaczmarz=False) on CUDA (or in Triton's
     interpreter). Same layout, defaults and return value as model.kla_chunkwise: (o (B, T, H, V) in
     q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state.
     If q, k and v differ in dtype (e.g. float32 q from a normalisation under CUDA autocast beside bfloat16
     k, v), all three are cast to the narrowest of them, which is also o's dtype."""
     _check(q, k, v, g, eta, initial_state, eps)
+    if cu_seqlens is not None:
+        raise NotImplementedError("kla_chunk with cu_seqlens")
     q, k, v = _common_dtype(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     save = torch.is_grad_enabled() and any(

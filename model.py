@@ -37,9 +37,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
 
 
-def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0):
+def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0, cu_seqlens=None):
     """Raise a ValueError naming the first input that breaks the contract; last, g <= 0 (a value check:
-    on a GPU it waits for the data)."""
+    on a GPU it waits for the data). Returns cu_seqlens as a list (None without it)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
         if not torch.is_tensor(x) or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
@@ -57,10 +57,12 @@ def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0):
             raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got shape {tuple(x.shape)}")
     if B == 0 or T == 0:
         raise ValueError(f"the input is empty: (B, T) = ({B}, {T})")
+    bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q)
     if initial_state is not None:
-        want = (B, H, K, v.shape[-1])
+        want = (B if bounds is None else len(bounds) - 1, H, K, v.shape[-1])
         if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be (B, H, K, V) = {want}, got {tuple(getattr(initial_state, 'shape', ()))}")
+            raise ValueError(f"initial_state must be ({'B' if bounds is None else 'N'}, H, K, V) = {want}, "
+                             f"got {tuple(getattr(initial_state, 'shape', ()))}")
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
         if initial_state.device != q.device:
@@ -69,6 +71,41 @@ def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0):
         raise ValueError(f"eps must be >= 0, got {eps}")
     if (g > 0).any():
         raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
+    return bounds
+
+
+def check_cu_seqlens(cu_seqlens, q):
+    """The boundaries of packed sequences as a list [0, t_1, ..., T] (a host read), or a ValueError naming
+    what is wrong: cu_seqlens must be an int32 / int64 tensor (N + 1,) on q's device, 0 first, strictly
+    increasing, last T, with q of batch 1. kernel.py checks the same (it imports no project module)."""
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
+        raise ValueError(f"cu_seqlens must be 1-D of length N + 1 >= 2, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    if q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
+    if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
+    if bounds[-1] != q.shape[1]:
+        raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
+    return bounds
+
+
+def _per_sequence(fn, bounds, q, k, v, g, eta, initial_state, output_final_state, **kw):
+    """Packed sequences (batch 1, boundaries bounds from check_cu_seqlens) run one at a time by fn, each from
+    its own initial_state[n] (or zeros): outputs concatenated along T, final states stacked (N, H, K, V)."""
+    outs, states = [], []
+    for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, S = fn(*(x[:, t0:t1] for x in (q, k, v, g, eta)), initial_state=h0, output_final_state=True, **kw)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
 
 
 def kla_beta(k, eta, eps=1e-6, kaczmarz=True):
@@ -88,9 +125,15 @@ def _upcast(q, k, v, g, eta, initial_state):
 
 
 def kla_recurrent(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
-                  output_final_state=False, kaczmarz=True):
-    """Token-by-token reference: the recurrence exactly as written in the module docstring."""
-    check_inputs(q, k, v, g, eta, initial_state, eps)
+                  output_final_state=False, kaczmarz=True, cu_seqlens=None):
+    """Token-by-token reference: the recurrence exactly as written in the module docstring.
+    cu_seqlens (N + 1,): q etc. hold N sequences packed in a batch of 1, sequence n at tokens
+    cu_seqlens[n]:cu_seqlens[n + 1], starting from initial_state[n] ((N, H, K, V), or zeros); the final
+    state is then (N, H, K, V). The same in kla_chunkwise."""
+    bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
+    if bounds is not None:
+        return _per_sequence(kla_recurrent, bounds, q, k, v, g, eta, initial_state, output_final_state,
+                             eps=eps, scale=scale, kaczmarz=kaczmarz)
     out_dtype, T = q.dtype, q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
@@ -110,7 +153,7 @@ GATE_FLOOR = -1000.0  # exp(-1000) is 0 in float64: a gate at or below it forget
 
 
 def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
-                  output_final_state=False, kaczmarz=True, chunk_size=64):
+                  output_final_state=False, kaczmarz=True, chunk_size=64, cu_seqlens=None):
     """Chunkwise reference (WY / UT transform). Inside a chunk of C tokens with b = cumsum(g):
         A = StrictTril(Diag(beta) (K K^T * Gamma)),  Gamma_ij = exp(b_i - b_j)
         U = (I + A)^-1 Diag(beta) (V - Diag(exp b) K S0)         (the "new values", beta e_t)
@@ -118,9 +161,12 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
         S = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
     The parts of U that do not depend on S0 are solved for all chunks at once; only the short
     recurrence over S is sequential."""
-    check_inputs(q, k, v, g, eta, initial_state, eps)
+    bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if bounds is not None:
+        return _per_sequence(kla_chunkwise, bounds, q, k, v, g, eta, initial_state, output_final_state,
+                             eps=eps, scale=scale, kaczmarz=kaczmarz, chunk_size=chunk_size)
     out_dtype, (B, T, H, K), V, C = q.dtype, q.shape, v.shape[-1], chunk_size
     scale = K ** -0.5 if scale is None else scale
     dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
@@ -167,13 +213,15 @@ else:
 
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
-                     output_final_state=False, kaczmarz=True, chunk_size=64):
+                     output_final_state=False, kaczmarz=True, chunk_size=64, cu_seqlens=None):
     """One entry point for the mixer: backend 'triton', 'chunkwise', 'recurrent', or 'auto' (Triton for
     CUDA tensors when it is installed). A single token with a carried state (decoding) takes the O(1) step; on the
-    Triton path, without autograd, that step writes the new state into initial_state (and returns it)."""
+    Triton path, without autograd, that step writes the new state into initial_state (and returns it).
+    cu_seqlens (N + 1,): packed sequences in a batch of 1, each from its own state (see kla_recurrent)."""
     if backend == "auto":
         backend = "triton" if q.is_cuda and kernel is not None else "chunkwise"
-    kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz)
+    kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz,
+              cu_seqlens=cu_seqlens)
     if backend == "triton":
         return _triton_attention(q, k, v, g, eta, **kw)
     if backend == "recurrent" or q.shape[1] == 1:
@@ -182,14 +230,15 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
 
 
 @torch.compiler.disable  # torch.compile fuses the layer around the kernel; the kernel runs as it is
-def _triton_attention(q, k, v, g, eta, *, eps, initial_state, output_final_state, kaczmarz):
-    if q.shape[1] == 1 and initial_state is not None:  # decoding: the state is updated in place when it can be
+def _triton_attention(q, k, v, g, eta, *, eps, initial_state, output_final_state, kaczmarz, cu_seqlens=None):
+    if q.shape[1] == 1 and initial_state is not None and cu_seqlens is None:
+        # decoding: the state is updated in place when it can be
         inplace = initial_state.is_contiguous() and initial_state.dtype == torch.float32 \
             and not torch.is_grad_enabled()
         return kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz,
                                out_state=initial_state if inplace else None)
     return kernel.kla_chunk(q, k, v, g, eta, eps=eps, initial_state=initial_state,
-                            output_final_state=output_final_state, kaczmarz=kaczmarz)
+                            output_final_state=output_final_state, kaczmarz=kaczmarz, cu_seqlens=cu_seqlens)
 
 
 def resolve_backend(backend, device_type):
