@@ -256,13 +256,15 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, T, H, Tp,
+def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, first, last, T, H, Tp,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, FUSE_O: tl.constexpr,
-                PREC: tl.constexpr, DT: tl.constexpr):
+                VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Sequential over chunks, state S (K x BV) in float32 registers:
         U = U0 - W S,  O = O0 + Qe S (o holds O0),  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U.
-    FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step."""
+    FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step.
+    VARLEN: packed sequences laid out chunk-aligned (batch 1); first[n] / last[n] = the sequence whose first /
+    last chunk n is, else -1. S restarts from h0[seq] (or 0) at a first chunk and goes to ht[seq] after a last."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
@@ -271,11 +273,17 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, T, H, Tp,
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     o_off = (i_b * T * H + i_h) * V
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
+    if USE_H0 and not VARLEN:
         S += _ld(h0 + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
     for n in range(N):
         t0 = n * C
         rt = t0 + r
+        if VARLEN:
+            i_s = tl.load(first + n).to(tl.int64)
+            if i_s >= 0:
+                S = tl.zeros([BK, BV], dtype=tl.float32)
+                if USE_H0:
+                    S += _ld(h0 + (i_s * H + i_h) * K * V, ck, cv, K, V, V, 1).to(tl.float32)
         if SAVE_H:
             _st(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, S)
         bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
@@ -291,7 +299,11 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, T, H, Tp,
             bo += tl.dot(bqe, Sb, input_precision=PREC)
             _st(o + o_off, rt, cv, T, V, H * V, 1, bo)
         S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
-    if STORE_HT:
+        if VARLEN and STORE_HT:
+            i_e = tl.load(last + n).to(tl.int64)
+            if i_e >= 0:
+                _st(ht + (i_e * H + i_h) * K * V, ck, cv, K, V, V, 1, S)
+    if STORE_HT and not VARLEN:
         _st(ht + i_bh * K * V, ck, cv, K, V, V, 1, S)
 
 
@@ -347,11 +359,13 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, first, last, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+                      DT: tl.constexpr):
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
-    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn."""
+    dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn.
+    VARLEN (as _fwd_kernel): dS restarts from dht[seq] (or 0) at a last chunk and goes to dh0[seq] after a first."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = tl.cdiv(T, C)
@@ -360,11 +374,17 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, sc
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
+    if USE_DHT and not VARLEN:
         dS += _ld(dht + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
     for n in range(N - 1, -1, -1):
         t0 = n * C
         rt = t0 + r
+        if VARLEN:
+            i_e = tl.load(last + n).to(tl.int64)
+            if i_e >= 0:
+                dS = tl.zeros([BK, BV], dtype=tl.float32)
+                if USE_DHT:
+                    dS += _ld(dht + (i_e * H + i_h) * K * V, ck, cv, K, V, V, 1).to(tl.float32)
         _st(dhs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, dS)
         bwd = _ld(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bdv = _ld(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
@@ -378,7 +398,11 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, sc
         bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
         dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
-    if STORE_DH0:
+        if VARLEN and STORE_DH0:
+            i_s = tl.load(first + n).to(tl.int64)
+            if i_s >= 0:
+                _st(dh0 + (i_s * H + i_h) * K * V, ck, cv, K, V, V, 1, dS)
+    if STORE_DH0 and not VARLEN:
         _st(dh0 + i_bh * K * V, ck, cv, K, V, V, 1, dS)
 
 
@@ -584,9 +608,10 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
 # launch
 
 
-def _check(q, k, v, g, eta, state, eps, step=False):
+def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
     """A ValueError naming the first input that the kernels cannot take. Nothing here synchronises (the
-    decoding step runs inside CUDA graphs), so unlike model.kla_chunkwise this does not check g <= 0."""
+    decoding step runs inside CUDA graphs), so unlike model.kla_chunkwise this does not check g <= 0; only
+    cu_seqlens is read back (returned as a list, None without it)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
         if not torch.is_tensor(x) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{name} has dtype {getattr(x, 'dtype', type(x))}; the Triton kernel takes bfloat16, "
@@ -595,7 +620,9 @@ def _check(q, k, v, g, eta, state, eps, step=False):
         raise ValueError(f"q must be (B, T, H, K) and v (B, T, H, V), got {tuple(q.shape)} and {tuple(v.shape)}")
     (B, T, H, K), V = q.shape, v.shape[-1]
     state_name = "state" if step else "initial_state"
-    want = {"k": (B, T, H, K), "v": (B, T, H, V), "g": (B, T, H), "eta": (B, T, H), state_name: (B, H, K, V)}
+    bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q)
+    n_state = B if bounds is None else len(bounds) - 1  # (N, H, K, V) states with N packed sequences
+    want = {"k": (B, T, H, K), "v": (B, T, H, V), "g": (B, T, H), "eta": (B, T, H), state_name: (n_state, H, K, V)}
     for (name, shape), x in zip(want.items(), (k, v, g, eta, state)):
         if x is not None and (not torch.is_tensor(x) or tuple(x.shape) != shape or x.device != q.device):
             raise ValueError(f"{name} must be a tensor of shape {shape} on {q.device} (B, T, H, K from q, V from v), "
@@ -610,6 +637,50 @@ def _check(q, k, v, g, eta, state, eps, step=False):
         raise ValueError(f"head sizes K = {K}, V = {V}; the kernel supports K <= 128 and V <= 1024")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
+    return bounds
+
+
+def _check_cu_seqlens(cu_seqlens, q):
+    """The boundaries of packed sequences as a list [0, t_1, ..., T] (a host read), or a ValueError naming what
+    is wrong; the same checks as model.check_cu_seqlens."""
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
+        raise ValueError(f"cu_seqlens must be 1-D of length N + 1 >= 2, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    if q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
+    if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
+    if bounds[-1] != q.shape[1]:
+        raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
+    return bounds
+
+
+def _varlen_layout(bounds, device):
+    """The chunk-aligned layout of packed sequences: sequence n moves to padded positions from p_n, a multiple of
+    C, so that no chunk holds two sequences (the padding is zeros: beta = 0, g = 0, no change to the state).
+    Returns the padded position of every token (T,), the padding positions, the padded length Tp, and per
+    chunk the sequence whose first / last chunk it is, else -1 (int32, for _fwd_kernel and _bwd_state_kernel)."""
+    C, N = C_CHUNK, len(bounds) - 1
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    start = [0]  # the first chunk of each sequence
+    for n in range(N):
+        start.append(start[-1] + triton.cdiv(lens[n], C))
+    Tp = start[-1] * C
+    first, last = [-1] * start[-1], [-1] * start[-1]
+    for n in range(N):
+        first[start[n]], last[start[n + 1] - 1] = n, n
+    shift = torch.tensor([start[n] * C - bounds[n] for n in range(N)])
+    pos = torch.arange(bounds[-1]) + torch.repeat_interleave(shift, torch.tensor(lens))
+    gap = torch.ones(Tp, dtype=torch.bool)
+    gap[pos] = False
+    as_dev = lambda x, dtype=torch.int64: torch.as_tensor(x, dtype=dtype).to(device)  # noqa: E731
+    return as_dev(pos), as_dev(gap.nonzero()[:, 0]), Tp, as_dev(first, torch.int32), as_dev(last, torch.int32)
 
 
 def _common_dtype(q, k, v):
@@ -698,7 +769,10 @@ def _bwd_dqk_config(BK, V, fp32=False):
 class KLAChunkFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save):
+    def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save,
+                first=None, last=None, n_seq=None):
+        """first, last, n_seq: packed sequences laid out chunk-aligned in a batch of 1 (_varlen_layout): the
+        sequence whose first / last chunk each chunk is (or -1) and their number; states are then (n_seq, H, K, V)."""
         B, T, H, K = q.shape
         V = v.shape[-1]
         C, BK = C_CHUNK, _block_k(K)
@@ -717,7 +791,8 @@ class KLAChunkFunction(torch.autograd.Function):
         _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
                                  PREC=prec, num_warps=_prep_warps(BK, fp32))
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
-        ht = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        n_state = B if first is None else n_seq
+        ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
         fuse_o = _fwd_fuse_o(B * H, V, save, N)
         hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
         w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
@@ -727,22 +802,24 @@ class KLAChunkFunction(torch.autograd.Function):
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(B * H, V, fp32)
         _fwd_kernel[(triton.cdiv(V, BV), B * H)](
-            k, bl, w, qe, u0, h0, o, ht, hs, T, H, Tp,
+            k, bl, w, qe, u0, h0, o, ht, hs, first, last, T, H, Tp,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-            SAVE_H=hs is not None, FUSE_O=fuse_o, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
+            SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=first is not None, PREC=prec, DT=dt,
+            num_warps=nw, num_stages=ns)
         if not fuse_o:
             _fwd_o_kernel[(N, B * H)](qe, hs, o, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, PREC=prec, DT=dt,
                                       num_warps=nwp)
         del w, qe, u0
         if save:
             ctx.save_for_backward(q, k, v, g, eta, bl, beta, ar, hs)
-            ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype)
+            ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype,
+                        first, last, n_state)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, eta, bl, beta, ar, hs = ctx.saved_tensors
-        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype = ctx.meta
+        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, first, last, n_state = ctx.meta
         has_h0 = h0_dtype is not None
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -753,7 +830,7 @@ class KLAChunkFunction(torch.autograd.Function):
         do = do.contiguous()
         dv = torch.empty_like(v)
         dhs = torch.empty_like(hs)
-        dh0 = torch.empty(B, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
+        dh0 = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
         dht = None if dht is None else dht.float().contiguous()
         wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
         dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
@@ -763,9 +840,9 @@ class KLAChunkFunction(torch.autograd.Function):
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(B * H, V, fp32, bwd=True)
         _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, PREC=prec, DT=dt,
-            num_warps=nw, num_stages=ns)
+            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, first, last, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=first is not None,
+            PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
         del wd, dv0
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
@@ -789,7 +866,7 @@ class KLAChunkFunction(torch.autograd.Function):
             K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
         del uc, dag, emat, coef
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
-        return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None
+        return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None, None, None, None
 
 
 def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
@@ -799,16 +876,23 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state.
     If q, k and v differ in dtype (e.g. float32 q from a normalisation under CUDA autocast beside bfloat16
     k, v), all three are cast to the narrowest of them, which is also o's dtype."""
-    _check(q, k, v, g, eta, initial_state, eps)
-    if cu_seqlens is not None:
-        raise NotImplementedError("kla_chunk with cu_seqlens")
+    bounds = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens)
     q, k, v = _common_dtype(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     save = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, eta, initial_state))
-    o, ht = KLAChunkFunction.apply(q, k, v, g, eta, initial_state, float(scale), float(eps),
-                                   bool(output_final_state), bool(kaczmarz), save)
-    return o, ht
+    args = (initial_state, float(scale), float(eps), bool(output_final_state), bool(kaczmarz), save)
+    if bounds is None:
+        return KLAChunkFunction.apply(q, k, v, g, eta, *args)
+    # packed sequences: scattered into the chunk-aligned layout and o gathered back by differentiable indexing
+    pos, gap, Tp, first, last = _varlen_layout(bounds, q.device)
+
+    def pad(x):  # (1, T, ...) -> (1, Tp, ...), zeros between the sequences
+        xp = x.new_empty(1, Tp, *x.shape[2:]).index_fill_(1, gap, 0)
+        return xp.index_copy_(1, pos, x)
+
+    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, first, last, len(bounds) - 1)
+    return o[:, pos], ht
 
 
 def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out_state=None):

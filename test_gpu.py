@@ -2,7 +2,9 @@
 GPU correctness of kernel.py and kernel_decode.py against the float64 references (model.kla_chunkwise and
 model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
-    python test_gpu.py [--out=DIR] [--cases=0,3] [--paths=default,alt] [--large] [--smoke]
+    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--paths=default,alt] [--large] [--smoke]
+--varlen runs only the cases of packed sequences (cu_seqlens; in the default run too): N sequences in a batch
+of 1, each from its own initial state, against the float64 reference run on each sequence alone.
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
 the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
@@ -61,17 +63,29 @@ def make_inputs(B, T, H, K, V, knorm, h0, device, gen, decay="mixed", edge=False
     return q, k, v, g, eta, s0
 
 
+def random_cu_seqlens(T, N, device, gen):
+    """cu_seqlens of N packed sequences of random lengths summing to T, the first of length 1."""
+    cuts = torch.randperm(T - 2, device=device, generator=gen)[:N - 2].sort().values + 2  # in 2 .. T - 1
+    return torch.cat([cuts.new_tensor([0, 1]), cuts, cuts.new_tensor([T])]).int()
+
+
 def check_chunk(B, T, H, K, V, dtype, h0, kaczmarz, knorm, device, gen, decay="mixed", grad=True, eps=1e-6,
-                edge=False):
+                edge=False, seqs=None):
+    """seqs: packed sequences (B = 1): their number (random lengths, random_cu_seqlens) or their lengths."""
     q, k, v, g, eta, s0 = make_inputs(B, T, H, K, V, knorm, h0, device, gen, decay, edge)
+    cu = None
+    if seqs is not None:
+        cu = random_cu_seqlens(T, seqs, device, gen) if isinstance(seqs, int) else \
+            torch.tensor([0, *seqs], device=device).cumsum(0).int()
+        s0 = torch.randn(len(cu) - 1, H, K, V, device=device, generator=gen) if h0 else None
     ours = [x.to(dtype) for x in (q, k, v)] + [g, eta] + ([s0] if h0 else [])
     ours = [x.clone().requires_grad_() for x in ours]
     ref = [x.detach().double().requires_grad_() for x in ours]
     with torch.set_grad_enabled(grad):
         o, ht = kernel.kla_chunk(*ours[:5], initial_state=ours[5] if h0 else None, output_final_state=True,
-                                 kaczmarz=kaczmarz, eps=eps)
+                                 kaczmarz=kaczmarz, eps=eps, cu_seqlens=cu)
         o_ref, ht_ref = model.kla_chunkwise(*ref[:5], initial_state=ref[5] if h0 else None,
-                                            output_final_state=True, kaczmarz=kaczmarz, eps=eps)
+                                            output_final_state=True, kaczmarz=kaczmarz, eps=eps, cu_seqlens=cu)
     errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
     finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
     if not grad:
@@ -196,89 +210,12 @@ def check_model_decode(device, compiled, fused=True, batch=2):
     return {"logits": rel(torch.cat(got, 1), want), "tokens_vs_plain": float((toks != plain).float().mean())}
 
 
-def main():
-    out = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")), os.environ.get("OUT"))
-    smoke = "--smoke" in sys.argv
-    device = "cpu" if smoke else "cuda"
-    gen = torch.Generator(device=device).manual_seed(1234)
+def check_decoding(lines, device, gen, smoke):
+    """The decode step, the fused decoding kernels and the whole model decoding: rows appended to lines; returns
+    the number of failures."""
     f32, bf16 = torch.float32, torch.bfloat16
     wide, unit = (1e-2, 1e2), (1.0, 1.0)
-    if smoke:
-        cases = [(1, 1, 1, 32, 32, f32, True, True, wide, {}), (1, 70, 2, 32, 16, f32, False, True, wide, {}),
-                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(eps=0.0, edge=True, decay="weak")),
-                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(decay="cut"))]
-    else:  # (B, T, H, K, V, dtype, initial state, kaczmarz, key norms)
-        cases = [  # most important first: a timeout still leaves the earlier rows in the table
-            (2, 1000, 4, 128, 128, bf16, True, True, wide),
-            (2, 1, 4, 128, 128, bf16, True, True, wide),
-            (1, 65536, 2, 128, 128, bf16, True, True, wide),
-            (2, 1000, 4, 128, 128, f32, True, True, wide),
-            (2, 1, 4, 128, 128, f32, True, True, wide),
-            (2, 2048, 8, 64, 64, bf16, False, True, (0.3, 3.0)),
-            (1, 4096, 16, 128, 128, bf16, False, True, (0.3, 3.0)),
-            (2, 1000, 4, 128, 128, bf16, False, True, wide),
-            (2, 1, 4, 64, 64, bf16, False, True, wide),
-            (2, 1000, 4, 64, 64, bf16, True, True, wide),
-            (1, 1000, 3, 48, 96, bf16, True, True, wide),
-            (1, 1000, 4, 32, 256, bf16, True, True, wide),
-            (2, 1000, 4, 128, 128, bf16, True, False, unit),
-            (1, 300, 3, 48, 96, f32, True, True, wide),
-            (2, 500, 2, 128, 128, f32, True, False, unit),
-            # robustness: long sequences with strong / weak / no decay, extreme key norms, eps = 0
-            (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="strong", grad=False)),
-            (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="weak", grad=False)),
-            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="strong")),
-            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="weak")),
-            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="none")),
-            (2, 1000, 4, 128, 128, bf16, True, True, (1e-4, 1e4), {}),
-            (2, 1000, 4, 64, 64, bf16, True, True, (1e-4, 1e-2), {}),
-            (2, 1000, 4, 64, 64, bf16, True, True, (1e2, 1e4), {}),
-            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(eps=0.0, edge=True)),
-            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(eps=0.0, edge=True)),
-            # full forgetting (g = -inf) and strongly negative gates beside weak ones
-            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(decay="cut")),
-            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(decay="cut")),
-            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(decay="alternating")),
-            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(decay="alternating")),
-        ]
-        cases = [c if len(c) == 10 else c + ({},) for c in cases]
-    pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
-    if pick:  # --cases=0,3: a subset, by position in the list above
-        cases = [cases[int(i)] for i in pick.split(",")]
-    cols = ["o", "ht", "dq", "dk", "dv", "dg", "deta", "dh0"]
-    lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | other | " + " | ".join(cols) + " | ok |",
-             "|" + "---|" * (11 + len(cols))]
     failures = 0
-    paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
-    config = kernel._fwd_fuse_o
-    for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
-        t = time.time()
-        if path == "alt":
-            kernel._fwd_fuse_o = lambda BH, V, save, N, default=config: not default(BH, V, save, N)
-        try:
-            errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
-        except Exception as err:  # report and go on with the other cases
-            print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
-            errs, finite = {}, False
-        finally:
-            kernel._fwd_fuse_o = config
-        opts = dict(opts, path=path) if path != "default" else opts
-        tol = TOL[dtype]
-        ok = finite and all(e < tol for e in errs.values())
-        failures += not ok
-        cells = [f"{errs[c]:.1e}" if c in errs else "-" for c in cols]
-        other = ", ".join(f"{n}={x}" for n, x in opts.items()) or "-"
-        lines.append(f"| {B} | {T} | {H} | {K} | {V} | {str(dtype)[6:]} | {h0} | {kacz} | {knorm[0]:g}..{knorm[1]:g} | {other} | "
-                     + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
-        print(lines[-1], f"({time.time() - t:.1f}s)", flush=True)
-        write(out, lines)
-    if "--large" in sys.argv and not smoke:
-        errs, finite = check_large(device, gen)
-        ok = finite and all(e < 1e-3 for e in errs.values())
-        failures += not ok
-        lines += ["", "past 2**31 elements, (1, 2**21, 8, 128) bf16, last head vs the same head alone: "
-                  + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
-        print(lines[-1], flush=True)
     lines += ["", "decode step (kla_step) vs the recurrent reference, float32:", ""]
     for B, kacz, knorm in [(1, True, wide), (32, True, wide), (4, False, unit)]:
         errs, finite = check_step(B, 16 if not smoke else 2, 128 if not smoke else 32, 128 if not smoke else 32,
@@ -315,6 +252,106 @@ def main():
                      f"{', fused decoding kernel' if fused else ', layer code + step kernel'}, batch {batch}: "
                      f"logits {errs['logits']:.1e}, tokens differing {errs['tokens_vs_plain']:.2f} {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
+    return failures
+
+
+def main():
+    out = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")), os.environ.get("OUT"))
+    smoke = "--smoke" in sys.argv
+    device = "cpu" if smoke else "cuda"
+    gen = torch.Generator(device=device).manual_seed(1234)
+    f32, bf16 = torch.float32, torch.bfloat16
+    wide, unit = (1e-2, 1e2), (1.0, 1.0)
+    if smoke:
+        cases = [(1, 1, 1, 32, 32, f32, True, True, wide, {}), (1, 70, 2, 32, 16, f32, False, True, wide, {}),
+                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(eps=0.0, edge=True, decay="weak")),
+                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(decay="cut")),
+                 (1, 70, 2, 32, 16, f32, True, True, wide, dict(seqs=[1, 2, 4, 63])),
+                 (1, 150, 2, 32, 16, f32, False, True, wide, dict(seqs=6))]
+    else:  # (B, T, H, K, V, dtype, initial state, kaczmarz, key norms)
+        cases = [  # most important first: a timeout still leaves the earlier rows in the table
+            (2, 1000, 4, 128, 128, bf16, True, True, wide),
+            (2, 1, 4, 128, 128, bf16, True, True, wide),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide),
+            (2, 1000, 4, 128, 128, f32, True, True, wide),
+            (2, 1, 4, 128, 128, f32, True, True, wide),
+            (2, 2048, 8, 64, 64, bf16, False, True, (0.3, 3.0)),
+            (1, 4096, 16, 128, 128, bf16, False, True, (0.3, 3.0)),
+            (2, 1000, 4, 128, 128, bf16, False, True, wide),
+            (2, 1, 4, 64, 64, bf16, False, True, wide),
+            (2, 1000, 4, 64, 64, bf16, True, True, wide),
+            (1, 1000, 3, 48, 96, bf16, True, True, wide),
+            (1, 1000, 4, 32, 256, bf16, True, True, wide),
+            (2, 1000, 4, 128, 128, bf16, True, False, unit),
+            (1, 300, 3, 48, 96, f32, True, True, wide),
+            (2, 500, 2, 128, 128, f32, True, False, unit),
+            # robustness: long sequences with strong / weak / no decay, extreme key norms, eps = 0
+            (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="strong", grad=False)),
+            (1, 131072, 2, 128, 128, bf16, True, True, wide, dict(decay="weak", grad=False)),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="strong")),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="weak")),
+            (1, 65536, 2, 128, 128, bf16, True, True, wide, dict(decay="none")),
+            (2, 1000, 4, 128, 128, bf16, True, True, (1e-4, 1e4), {}),
+            (2, 1000, 4, 64, 64, bf16, True, True, (1e-4, 1e-2), {}),
+            (2, 1000, 4, 64, 64, bf16, True, True, (1e2, 1e4), {}),
+            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(eps=0.0, edge=True)),
+            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(eps=0.0, edge=True)),
+            # full forgetting (g = -inf) and strongly negative gates beside weak ones
+            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(decay="cut")),
+            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(decay="cut")),
+            (2, 1000, 4, 128, 128, bf16, True, True, wide, dict(decay="alternating")),
+            (2, 1000, 4, 128, 128, f32, True, True, wide, dict(decay="alternating")),
+            # packed sequences (cu_seqlens): a sequence of length 1, several in one chunk, 200 in one call
+            (1, 1000, 4, 128, 128, bf16, True, True, wide, dict(seqs=[1, 63, 64, 65, 130, 7, 3, 5, 2, 660])),
+            (1, 20000, 4, 128, 128, bf16, True, True, wide, dict(seqs=200)),
+            (1, 20000, 4, 128, 128, f32, True, True, wide, dict(seqs=200)),
+            (1, 20000, 4, 128, 128, bf16, False, True, wide, dict(seqs=200, grad=False)),
+            (1, 5000, 4, 64, 64, bf16, True, False, unit, dict(seqs=50)),
+            (1, 5000, 4, 128, 128, bf16, True, True, wide, dict(seqs=50, decay="cut")),
+        ]
+        cases = [c if len(c) == 10 else c + ({},) for c in cases]
+    pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
+    if pick:  # --cases=0,3: a subset, by position in the list above
+        cases = [cases[int(i)] for i in pick.split(",")]
+    varlen_only = "--varlen" in sys.argv
+    if varlen_only:
+        cases = [c for c in cases if "seqs" in c[9]]
+    cols = ["o", "ht", "dq", "dk", "dv", "dg", "deta", "dh0"]
+    lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | other | " + " | ".join(cols) + " | ok |",
+             "|" + "---|" * (11 + len(cols))]
+    failures = 0
+    paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
+    config = kernel._fwd_fuse_o
+    for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
+        t = time.time()
+        if path == "alt":
+            kernel._fwd_fuse_o = lambda BH, V, save, N, default=config: not default(BH, V, save, N)
+        try:
+            errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
+        except Exception as err:  # report and go on with the other cases
+            print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
+            errs, finite = {}, False
+        finally:
+            kernel._fwd_fuse_o = config
+        opts = dict(opts, path=path) if path != "default" else opts
+        tol = TOL[dtype]
+        ok = finite and all(e < tol for e in errs.values())
+        failures += not ok
+        cells = [f"{errs[c]:.1e}" if c in errs else "-" for c in cols]
+        other = ", ".join(f"{n}={x}" for n, x in opts.items()) or "-"
+        lines.append(f"| {B} | {T} | {H} | {K} | {V} | {str(dtype)[6:]} | {h0} | {kacz} | {knorm[0]:g}..{knorm[1]:g} | {other} | "
+                     + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
+        print(lines[-1], f"({time.time() - t:.1f}s)", flush=True)
+        write(out, lines)
+    if "--large" in sys.argv and not smoke:
+        errs, finite = check_large(device, gen)
+        ok = finite and all(e < 1e-3 for e in errs.values())
+        failures += not ok
+        lines += ["", "past 2**31 elements, (1, 2**21, 8, 128) bf16, last head vs the same head alone: "
+                  + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
+        print(lines[-1], flush=True)
+    if not varlen_only:
+        failures += check_decoding(lines, device, gen, smoke)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
     import triton
     lines.insert(0, f"test_gpu.py on {dev}, torch {torch.__version__}, triton {triton.__version__}: "
