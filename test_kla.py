@@ -346,6 +346,71 @@ def test_reference_argument_errors():
             kla_chunkwise(q, k, v, g, eta, chunk_size=C)
 
 
+SEQ_LENS = [1, 63, 64, 65, 130, 7]  # packed sequences: length 1, around the chunk size, several chunks
+
+
+def packed_inputs(lens, H=2, K=8, V=6, dtype=torch.float64, seed=0):
+    """Random inputs of sequences of the given lengths packed in a batch of 1, with one initial state per
+    sequence (N, H, K, V), and their cu_seqlens."""
+    q, k, v, g, eta, _ = make_inputs(1, sum(lens), H, K, V, dtype=dtype, norm_range=(-1, 1), seed=seed)
+    h0 = make_inputs(len(lens), 1, H, K, V, dtype=dtype, seed=seed + 1)[5]
+    return [q, k, v, g, eta, h0], torch.tensor([0, *lens]).cumsum(0)
+
+
+def separately(fn, cu):
+    """fn run on each packed sequence alone, from its own initial state: outputs concatenated, final states
+    stacked (what fn with cu_seqlens must equal)."""
+    def run(q, k, v, g, eta, initial_state=None, output_final_state=False, **kw):
+        outs, states = [], []
+        for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            o, S = fn(*(x[:, a:b] for x in (q, k, v, g, eta)), output_final_state=True, **kw,
+                      initial_state=None if initial_state is None else initial_state[n:n + 1])
+            outs.append(o)
+            states.append(S)
+        return torch.cat(outs, 1), torch.cat(states)
+    return run
+
+
+@pytest.mark.parametrize("use_h0", [True, False])
+def test_references_packed_equal_separate(use_h0):
+    """cu_seqlens in both references: the same outputs, final states and gradients (initial states included)
+    as each sequence run alone, in float64; int64 and int32 cu_seqlens."""
+    inputs, cu = packed_inputs(SEQ_LENS)
+    ref = outputs_and_grads(separately(kla_recurrent, cu), inputs, use_h0)
+    for fn, kw in ((kla_recurrent, {}), (kla_chunkwise, {}), (kla_chunkwise, dict(chunk_size=16))):
+        for cu_seqlens in (cu, cu.int()):
+            out = outputs_and_grads(fn, inputs, use_h0, cu_seqlens=cu_seqlens, **kw)
+            assert out[1].shape == (len(SEQ_LENS), 2, 8, 6)
+            for name, a, b in zip(NAMES, out, ref):
+                assert a.shape == b.shape and rel_err(a, b) < 1e-10, (fn.__name__, name)
+
+
+def test_cu_seqlens_errors():
+    """Bad cu_seqlens, or initial states of another number of sequences: a ValueError naming the problem from
+    the references, the kernel and linear_attention."""
+    (q, k, v, g, eta, h0), cu = packed_inputs([3, 5], K=32, V=16, dtype=torch.float32)
+    x = (q, k, v, g, eta)
+    cases = [
+        (x, dict(cu_seqlens=torch.tensor([1, 3, 8])), "must start at 0, got 1"),
+        (x, dict(cu_seqlens=torch.tensor([0, 3, 3, 8])), "strictly increasing"),
+        (x, dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), "strictly increasing"),
+        (x, dict(cu_seqlens=torch.tensor([0, 3, 7])), "must end at T = 8, got 7"),
+        ([t.expand(2, *t.shape[1:]) for t in x], dict(cu_seqlens=cu), "batch of 1, got B = 2"),
+        (x, dict(cu_seqlens=cu.float()), "int32 or int64 tensor, got torch.float32"),
+        (x, dict(cu_seqlens=[0, 3, 8]), "int32 or int64 tensor"),
+        (x, dict(cu_seqlens=cu.to("meta")), "cu_seqlens is on meta"),
+        (x, dict(cu_seqlens=cu[None]), "1-D"),
+        (x, dict(cu_seqlens=cu[:1]), "1-D of length N \\+ 1 >= 2"),
+        (x, dict(cu_seqlens=cu, initial_state=h0[:1]), r"initial_state must be .*\(2, 2, 32, 16\)"),
+    ]
+    fns = [kla_recurrent, kla_chunkwise, kernel.kla_chunk,
+           lambda *a, **kw: model.linear_attention(*a, backend="triton", **kw)]
+    for fn in fns:
+        for args, kw, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                fn(*args, **kw)
+
+
 @pytest.mark.parametrize("field,value,phrase", [
     ("n_head", 0, "n_head must be an integer >= 1, got 0"), ("n_layer", 0, "n_layer must be an integer >= 1"),
     ("n_embd", -8, "n_embd must be an integer >= 1, got -8"), ("block_size", 0, "block_size must be"),
@@ -716,6 +781,26 @@ def test_kernel_errors_name_the_tensor():
             kernel.kla_chunk(*args, **kw)
     with pytest.raises(ValueError, match="one token"):
         kernel.kla_step(q, k, v, g, eta, h0)
+
+
+@pytest.mark.parametrize("lens,use_h0,fuse_o", [
+    (SEQ_LENS, True, False),
+    ([3, 5, 1, 2, 50, 70], False, True),  # several sequences inside one chunk's worth of tokens
+])
+def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
+    """Packed sequences (cu_seqlens) in the kernel against the float64 reference run on each sequence alone:
+    output, final states and every gradient (initial states included), both forward paths; and the forward
+    without autograd."""
+    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: fuse_o)
+    inputs, cu = packed_inputs(lens, K=32, V=16)
+    ref = outputs_and_grads(separately(kla_recurrent, cu), inputs, use_h0)
+    out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], use_h0, cu_seqlens=cu.int())
+    for name, a, b in zip(NAMES, out, ref):
+        assert a.dtype == torch.float32 and a.shape == b.shape and rel_err(a, b) < 1e-4, name
+    with torch.no_grad():
+        o, ht = kernel.kla_chunk(*(x.float() for x in inputs[:5]), initial_state=inputs[5].float() if use_h0 else None,
+                                 output_final_state=True, cu_seqlens=cu)
+    assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
 
 
 def test_model_on_the_kernel_matches_the_reference_path():
