@@ -6,6 +6,9 @@ Sections (comma-separated; default kernel,decode):
           chunk_gated_delta_rule (beta = eta / (||k||^2 + eps) computed in PyTorch, use_qk_l2norm_in_kernel=False)
           and FlashQLA's own GDN, bf16, forward and forward + backward, triton.testing.do_bench medians in the
           same run; peak memory of one call. FlashQLA runs where it imports and K = V = 128.
+  varlen  kla_chunk on 64 packed documents (cu_seqlens) summing to 32768 tokens against the same tokens as one
+          sequence, forward and forward + backward, and fla's and FlashQLA's varlen chunk_gated_delta_rule
+          (beta in PyTorch) on the same cu_seqlens.
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
@@ -90,11 +93,11 @@ def ours_chunk(q, k, v, g, eta):
     return kernel.kla_chunk(q, k, v, g, eta, eps=EPS)[0]
 
 
-def kla_through(chunk):
+def kla_through(chunk, **kw):
     """KLA through a GDN kernel with fla's signature: beta = eta / (||k||^2 + eps) computed in PyTorch."""
     def run(q, k, v, g, eta):
         beta = eta / (k.float().pow(2).sum(-1) + EPS)
-        return chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=False)[0]
+        return chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, **kw)[0]
     return run
 
 
@@ -167,6 +170,44 @@ def section_kernel(device, smoke):
             "FlashQLA peak MiB"]
     return ("chunk kernel, bf16, do_bench medians (fla / FlashQLA KLA: their chunk_gated_delta_rule with beta in "
             "PyTorch; FlashQLA GDN: q, k L2-normalised in its kernel; nan: not run)"), head, rows
+
+
+def section_varlen(device, smoke):
+    """Packed documents: kla_chunk on 64 documents of random lengths (fixed seed) summing to 32768 tokens
+    (cu_seqlens) against the same tokens as one sequence, and fla's and FlashQLA's chunk_gated_delta_rule on the
+    same cu_seqlens (beta in PyTorch); bf16, H = 16, K = V = 128."""
+    fla_chunk, _ = load_fla()
+    qla_chunk = load_flash_qla()
+    T, N, H, D = (130, 4, 1, 16) if smoke else (32768, 64, 16, 128)
+    cuts = torch.randperm(T - 1, generator=torch.Generator().manual_seed(0))[:N - 1].sort().values + 1
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).to(device)  # int64, as fla's signature
+    nan = (float("nan"), float("nan"))
+
+    def timed_or_nan(name, fn, xs, backward):
+        try:
+            return timed(fn, xs, backward, device)
+        except Exception as err:  # a library without varlen support in this version: its column left empty
+            print(f"{name} raised {type(err).__name__}: {str(err)[:300]}")
+            return nan
+
+    rows = []
+    for backward in (False, True):
+        xs = inputs(1, T, H, D, device, requires_grad=backward)
+        dense = timed(ours_chunk, xs, backward, device)
+        ours = timed(lambda *x: kernel.kla_chunk(*x, eps=EPS, cu_seqlens=cu)[0], xs, backward, device)
+        fla = timed_or_nan("fla", kla_through(fla_chunk, cu_seqlens=cu), xs, backward) if fla_chunk else nan
+        qla = timed_or_nan("FlashQLA", kla_through(qla_chunk, cu_seqlens=cu), xs, backward) if qla_chunk else nan
+        rows.append(["fwd+bwd" if backward else "fwd", dense[0], ours[0], ours[0] / dense[0], fla[0], qla[0],
+                     ours[0] / fla[0], ours[0] / qla[0], dense[1], ours[1]])
+        print(rows[-1], flush=True)
+        del xs
+    head = ["pass", "ours 1 sequence ms", "ours packed ms", "packed / 1 sequence", "fla packed ms",
+            "FlashQLA packed ms", "ours / fla", "ours / FlashQLA", "ours 1 sequence peak MiB", "ours packed peak MiB"]
+    lens = (cu[1:] - cu[:-1]).tolist()
+    return (f"packed documents (cu_seqlens), bf16, {N} documents of {min(lens)} to {max(lens)} tokens, {T} in all, "
+            f"H = {H}, K = V = {D}, against the same tokens as one sequence (B = 1); fla / FlashQLA: their "
+            "chunk_gated_delta_rule with beta in PyTorch on the same cu_seqlens; do_bench medians, nan: not run"), \
+        head, rows
 
 
 def section_decode(device, smoke):
@@ -739,7 +780,8 @@ def section_generate(device, smoke):
         ["mixer", "batch", "prompt", "tokens/s", "ms / step", "floor ms", "of floor", "peak GiB"], rows
 
 
-SECTIONS = {"profile": section_profile, "kernel": section_kernel, "decode": section_decode, "tune": section_tune,
+SECTIONS = {"profile": section_profile, "kernel": section_kernel, "varlen": section_varlen,
+            "decode": section_decode, "tune": section_tune,
             "tune_seq": section_tune_seq, "tune_decode": section_tune_decode,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
             "prefill_profile": section_prefill_profile, "decode_profile": section_decode_profile,

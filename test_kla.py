@@ -1099,7 +1099,7 @@ def test_gpu_script_smoke():
 def test_bench_smoke(tmp_path):
     """bench.py --smoke: every section a GPU run uses, at toy sizes on the CPU (the kernel in Triton's
     interpreter), writes its table; --fuse_o=0 forces the kernel's other forward path."""
-    sections = "kernel,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile,tune_decode"
+    sections = "kernel,varlen,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile,tune_decode"
     p = run("bench.py", "--smoke", f"--section={sections}", "--compile=0", "--fuse_o=0", f"--out={tmp_path}",
             timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
