@@ -41,6 +41,10 @@ kernel_decode.py (the model's block-level decoding fusions): a new step-size rul
 and those two. The one-token step on a state tile, _delta_step, is shared with kernel_decode.py too.
 Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
 
+Packed sequences (cu_seqlens): kla_chunk lays them out chunk-aligned (_varlen_layout: each sequence from a multiple
+of C, zeros between, which change nothing), so that no chunk holds two sequences; only _fwd_kernel and
+_bwd_state_kernel change (VARLEN), restarting the state at each sequence's first chunk (dS at its last).
+
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
 (fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
 computed matrix (E^T K of the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers
@@ -611,7 +615,7 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
 def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
     """A ValueError naming the first input that the kernels cannot take. Nothing here synchronises (the
     decoding step runs inside CUDA graphs), so unlike model.kla_chunkwise this does not check g <= 0; only
-    cu_seqlens is read back (returned as a list, None without it)."""
+    cu_seqlens is read back (its layout returned, _check_cu_seqlens; None without it)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
         if not torch.is_tensor(x) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{name} has dtype {getattr(x, 'dtype', type(x))}; the Triton kernel takes bfloat16, "
@@ -620,8 +624,8 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
         raise ValueError(f"q must be (B, T, H, K) and v (B, T, H, V), got {tuple(q.shape)} and {tuple(v.shape)}")
     (B, T, H, K), V = q.shape, v.shape[-1]
     state_name = "state" if step else "initial_state"
-    bounds = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q)
-    n_state = B if bounds is None else len(bounds) - 1  # (N, H, K, V) states with N packed sequences
+    layout = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q)
+    n_state = B if layout is None else layout[-1]  # (N, H, K, V) states with N packed sequences
     want = {"k": (B, T, H, K), "v": (B, T, H, V), "g": (B, T, H), "eta": (B, T, H), state_name: (n_state, H, K, V)}
     for (name, shape), x in zip(want.items(), (k, v, g, eta, state)):
         if x is not None and (not torch.is_tensor(x) or tuple(x.shape) != shape or x.device != q.device):
@@ -637,12 +641,16 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
         raise ValueError(f"head sizes K = {K}, V = {V}; the kernel supports K <= 128 and V <= 1024")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    return bounds
+    return layout
+
+
+_layout_cache = [None]  # (cu_seqlens, its version, T, layout) of the last packed call
 
 
 def _check_cu_seqlens(cu_seqlens, q):
-    """The boundaries of packed sequences as a list [0, t_1, ..., T] (a host read), or a ValueError naming what
-    is wrong; the same checks as model.check_cu_seqlens."""
+    """The layout of packed sequences (_varlen_layout), or a ValueError naming what is wrong with cu_seqlens (the
+    same checks as model.check_cu_seqlens). Its values are read back to the host once: the layout of the last
+    cu_seqlens is kept while that tensor is not changed in place, so that the layers of a model share one read."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
     if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
@@ -651,6 +659,10 @@ def _check_cu_seqlens(cu_seqlens, q):
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     if q.shape[0] != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
+    key = (cu_seqlens, cu_seqlens._version, q.shape[1])
+    cached = _layout_cache[0]
+    if cached is not None and cached[0] is key[0] and cached[1:3] == key[1:]:
+        return cached[3]
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
@@ -658,29 +670,31 @@ def _check_cu_seqlens(cu_seqlens, q):
         raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
     if bounds[-1] != q.shape[1]:
         raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
-    return bounds
+    layout = _varlen_layout(bounds, q.device)
+    _layout_cache[0] = key + (layout,)
+    return layout
 
 
 def _varlen_layout(bounds, device):
     """The chunk-aligned layout of packed sequences: sequence n moves to padded positions from p_n, a multiple of
-    C, so that no chunk holds two sequences (the padding is zeros: beta = 0, g = 0, no change to the state).
-    Returns the padded position of every token (T,), the padding positions, the padded length Tp, and per
-    chunk the sequence whose first / last chunk it is, else -1 (int32, for _fwd_kernel and _bwd_state_kernel)."""
-    C, N = C_CHUNK, len(bounds) - 1
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    start = [0]  # the first chunk of each sequence
-    for n in range(N):
-        start.append(start[-1] + triton.cdiv(lens[n], C))
-    Tp = start[-1] * C
-    first, last = [-1] * start[-1], [-1] * start[-1]
-    for n in range(N):
-        first[start[n]], last[start[n + 1] - 1] = n, n
-    shift = torch.tensor([start[n] * C - bounds[n] for n in range(N)])
-    pos = torch.arange(bounds[-1]) + torch.repeat_interleave(shift, torch.tensor(lens))
-    gap = torch.ones(Tp, dtype=torch.bool)
+    C, so that no chunk holds two sequences (the gaps are zeros: beta = 0, g = 0, no change to the state).
+    Returns (the padded position of every token (T,), the gap positions, the padded length Tp, per chunk the
+    sequence whose first / last chunk it is or -1 (for _fwd_kernel and _bwd_state_kernel), N); built on the
+    host, one copy to the device."""
+    C = C_CHUNK
+    cu = torch.tensor(bounds)
+    lens = cu[1:] - cu[:-1]
+    start = torch.cat([cu.new_zeros(1), ((lens + C - 1) // C).cumsum(0)])  # the first chunk of each sequence
+    n_chunks, N = int(start[-1]), len(lens)
+    pos = torch.arange(bounds[-1]) + torch.repeat_interleave(start[:-1] * C - cu[:-1], lens)
+    gap = torch.ones(n_chunks * C, dtype=torch.bool)
     gap[pos] = False
-    as_dev = lambda x, dtype=torch.int64: torch.as_tensor(x, dtype=dtype).to(device)  # noqa: E731
-    return as_dev(pos), as_dev(gap.nonzero()[:, 0]), Tp, as_dev(first, torch.int32), as_dev(last, torch.int32)
+    first, last = torch.full((n_chunks,), -1), torch.full((n_chunks,), -1)
+    first[start[:-1]] = torch.arange(N)
+    last[start[1:] - 1] = torch.arange(N)
+    gap = gap.nonzero()[:, 0]
+    parts = torch.cat([pos, gap, first, last]).to(device).split([len(pos), len(gap), n_chunks, n_chunks])
+    return *parts[:2], n_chunks * C, *parts[2:], N
 
 
 def _common_dtype(q, k, v):
@@ -875,23 +889,26 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     interpreter). Same layout, defaults and return value as model.kla_chunkwise: (o (B, T, H, V) in
     q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state.
     If q, k and v differ in dtype (e.g. float32 q from a normalisation under CUDA autocast beside bfloat16
-    k, v), all three are cast to the narrowest of them, which is also o's dtype."""
-    bounds = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens)
+    k, v), all three are cast to the narrowest of them, which is also o's dtype.
+    cu_seqlens (N + 1,) int32 / int64: N sequences packed in a batch of 1, sequence n at tokens
+    cu_seqlens[n]:cu_seqlens[n + 1], from initial_state[n] ((N, H, K, V), or zeros), final state (N, H, K, V);
+    read back to the host (not in CUDA graphs)."""
+    layout = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens)
     q, k, v = _common_dtype(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     save = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, eta, initial_state))
     args = (initial_state, float(scale), float(eps), bool(output_final_state), bool(kaczmarz), save)
-    if bounds is None:
+    if layout is None:
         return KLAChunkFunction.apply(q, k, v, g, eta, *args)
     # packed sequences: scattered into the chunk-aligned layout and o gathered back by differentiable indexing
-    pos, gap, Tp, first, last = _varlen_layout(bounds, q.device)
+    pos, gap, Tp, first, last, n_seq = layout
 
     def pad(x):  # (1, T, ...) -> (1, Tp, ...), zeros between the sequences
         xp = x.new_empty(1, Tp, *x.shape[2:]).index_fill_(1, gap, 0)
         return xp.index_copy_(1, pos, x)
 
-    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, first, last, len(bounds) - 1)
+    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, first, last, n_seq)
     return o[:, pos], ht
 
 

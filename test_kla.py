@@ -803,6 +803,20 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
     assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
 
 
+def test_kernel_packed_layout_follows_cu_seqlens():
+    """The kernel keeps the layout of the last cu_seqlens: reused for the same tensor (here through
+    linear_attention), rebuilt when the tensor is changed in place."""
+    inputs, cu = packed_inputs([5, 70, 3], K=32, V=16)
+    x = [t.float() for t in inputs[:5]]
+    with torch.no_grad():
+        for lens in ([5, 70, 3], [40, 1, 37]):
+            cu.copy_(torch.tensor([0, *lens]).cumsum(0))
+            o, _ = kernel.kla_chunk(*x, cu_seqlens=cu)
+            o2, _ = model.linear_attention(*x, backend="triton", cu_seqlens=cu)
+            ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
+            assert rel_err(o, ref) < 1e-4 and torch.equal(o, o2)
+
+
 def test_model_on_the_kernel_matches_the_reference_path():
     """The whole model with backend='triton' (here in the interpreter): logits, gradients, and generation
     through the kernel's decoding step."""
