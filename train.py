@@ -41,7 +41,9 @@ from model import GPT, GPTConfig, doc_seqlens, read_checkpoint
 # -----------------------------------------------------------------------------
 # default config values: a KLA model on shakespeare_char, sized for the device found (also when --device
 # names another: give the sizes and --dtype with it). On CPU ~1M parameters and 64-token contexts, so that
-# the default run ends in minutes.
+# the default run ends in minutes. On a GPU 12.5M parameters, dropout 0.2 and 2,000 iterations: without
+# dropout the validation loss was best at iteration 750 (1.41 on an H200) and then rose as the model memorised
+# the 4.3M training characters; with it, best 1.394 at 1,750 and 1.401 at 2,000 (results/default_run/).
 device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 _gpu = device == "cuda"
 # I/O
@@ -66,7 +68,7 @@ n_layer = 6 if _gpu else 4
 n_head = 6 if _gpu else 4
 n_embd = 384 if _gpu else 128
 mixer = "kla"  # 'kla' | 'gdn' | 'attn'
-dropout = 0.0  # on the embeddings and each residual branch; may change when resuming
+dropout = 0.2 if _gpu else 0.0  # on the embeddings and each residual branch; may change when resuming
 expand_k = 0.75
 expand_v = 1.5
 conv_size = 4
@@ -75,7 +77,7 @@ chunk_size = 64
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
 # AdamW optimizer
 learning_rate = 1e-3 if _gpu else 2e-3
-max_iters = 5000 if _gpu else 500
+max_iters = 2000 if _gpu else 500
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99  # nanoGPT's choice for small batches: few tokens per step make the second moment noisy
