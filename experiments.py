@@ -186,7 +186,8 @@ def summary(task, column, rows):
              "| mixer | seeds | " + " | ".join(str(n) for n in lengths) + " |", "|---|---|" + "---|" * len(lengths)]
     for mixer, (_, vals) in groups:
         v = np.array(vals) * (100 if column == "accuracy" else 1)
-        lines.append(f"| {mixer} | {len(v)} | " + " | ".join(f"{m:.2f} ± {sd:.2f}" for m, sd in zip(v.mean(0), spread(v))) + " |")
+        cells = [f"{m:.2f} ± {sd:.2f}" if len(v) > 1 else f"{m:.2f}" for m, sd in zip(v.mean(0), spread(v))]  # no spread of one
+        lines.append(f"| {mixer} | {len(v)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -1210,6 +1210,15 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "bench.md").read_text().count("### ") == len(sections.split(","))
 
 
+def test_experiments_summary_gives_no_spread_for_one_seed():
+    """The summary table shows mean ± sample std over seeds, and a bare mean where one seed ran."""
+    rows = [{"mixer": "kla", "loss@1": "2.0"}, {"mixer": "kla", "loss@1": "3.0"}, {"mixer": "attn", "loss@1": "2.5"}]
+    p = run("-c", f"import sys; sys.argv = ['experiments.py']; import experiments; "
+                  f"print(experiments.summary('lm', 'loss', {rows!r}))")
+    assert p.returncode == 0, p.stderr
+    assert "| kla | 2 | 2.50 ± 0.71 |" in p.stdout and "| attn | 1 | 2.50 |" in p.stdout, p.stdout
+
+
 def test_experiments_resumes_a_stopped_run(tmp_path):
     """experiments.py prepares a task's data in --data_dir with --n_train examples, resumes a run that has a
     checkpoint but no eval.json (stopped by a deadline with --eval_stopped=False, or killed) instead of
