@@ -659,9 +659,10 @@ def _check_cu_seqlens(cu_seqlens, q):
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     if q.shape[0] != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
-    key = (cu_seqlens, cu_seqlens._version, q.shape[1])
+    keep = not cu_seqlens.is_inference()  # inference tensors have no version counter: not kept
+    key = (cu_seqlens, cu_seqlens._version if keep else None, q.shape[1])
     cached = _layout_cache[0]
-    if cached is not None and cached[0] is key[0] and cached[1:3] == key[1:]:
+    if keep and cached is not None and cached[0] is key[0] and cached[1:3] == key[1:]:
         return cached[3]
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0:
@@ -671,7 +672,8 @@ def _check_cu_seqlens(cu_seqlens, q):
     if bounds[-1] != q.shape[1]:
         raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
     layout = _varlen_layout(bounds, q.device)
-    _layout_cache[0] = key + (layout,)
+    if keep:
+        _layout_cache[0] = key + (layout,)
     return layout
 
 

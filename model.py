@@ -302,7 +302,10 @@ class GPTConfig:
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
             raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {self.mixer!r}")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "conv_size", "chunk_size"):
+        if not self.conv_size >= 2:
+            raise ValueError(f"conv_size must be an integer >= 2 (the current token and one before it at least), "
+                             f"got {self.conv_size!r}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "chunk_size"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("kla_eps", "norm_eps"):
@@ -560,6 +563,10 @@ class GPT(nn.Module):
     def set_backend(self, device_type):
         """Choose the linear-attention path once for this device (see resolve_backend)."""
         backend = resolve_backend(self.config.backend, device_type)
+        mixer = self.blocks[0].mixer
+        if backend == "triton" and isinstance(mixer, DeltaMixer) and (mixer.dk > 128 or mixer.dv > 1024):
+            raise ValueError(f"heads of d_k {mixer.dk}, d_v {mixer.dv}: the Triton kernel takes d_k <= 128 and d_v <= 1024; "
+                             "use more heads, or backend='chunkwise'")
         for block in self.blocks:
             if isinstance(block.mixer, DeltaMixer):
                 block.mixer.backend = backend

@@ -415,7 +415,7 @@ def test_cu_seqlens_errors():
 @pytest.mark.parametrize("field,value,phrase", [
     ("n_head", 0, "n_head must be an integer >= 1, got 0"), ("n_layer", 0, "n_layer must be an integer >= 1"),
     ("n_embd", -8, "n_embd must be an integer >= 1, got -8"), ("block_size", 0, "block_size must be"),
-    ("vocab_size", 0, "vocab_size must be"), ("conv_size", 0, "conv_size must be"),
+    ("vocab_size", 0, "vocab_size must be"), ("conv_size", 0, "conv_size must be"), ("conv_size", 1, "conv_size must be an integer >= 2"),
     ("chunk_size", 0, "chunk_size must be an integer >= 1, got 0"), ("kla_eps", -1.0, "kla_eps must be >= 0, got -1.0"),
     ("norm_eps", -1e-5, "norm_eps must be >= 0")])
 def test_model_config_ranges(field, value, phrase):
@@ -900,6 +900,10 @@ def test_kernel_packed_layout_follows_cu_seqlens():
             o2, _ = model.linear_attention(*x, backend="triton", cu_seqlens=cu)
             ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
             assert rel_err(o, ref) < 1e-4 and torch.equal(o, o2)
+    with torch.inference_mode():  # inference tensors have no version counter: their layout is not kept
+        cu_inf = cu.clone()
+        o3, _ = kernel.kla_chunk(*x, cu_seqlens=cu_inf)
+    assert torch.equal(o3, o)
 
 
 def test_model_on_the_kernel_matches_the_reference_path():
@@ -1262,7 +1266,7 @@ def test_train_and_evaluate_recall(tiny_recall, tmp_path):
             f"--out_dir={tmp_path}", "--max_iters=40", "--eval_interval=5", "--learning_rate=0.0", "--decay_lr=False", "--patience=2",
             "--always_save_checkpoint=True")
     assert p.returncode == 0, p.stderr
-    assert "no better val loss in 2 evaluations: stopping at iteration 10" in p.stdout  # lr 0: never better
+    assert "no better val loss in 2 evaluations: stopping at iteration 15" in p.stdout  # lr 0: never better than 5
     p = run("evaluate.py", f"--out_dir={tmp_path}", "--device=cpu", "--dtype=float32", "--batch_size=16")
     assert p.returncode == 0, p.stderr
     res = json.loads((tmp_path / "eval.json").read_text())
@@ -1761,6 +1765,22 @@ def test_run_ends_at_its_best_weights(tiny_data, tmp_path):
     assert f"restored the best weights (val loss {min(vals[1:]):.4f})" in p.stdout, p.stdout
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["best_val_loss"] == min(vals[1:])
+
+
+def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path):
+    """A resumed run's first evaluation (the checkpoint's own weights) does not count against patience; the
+    untrained model at iteration 0 is never taken as the best, so a run whose later evaluations are worse
+    than it still writes its best checkpoint."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--eval_interval=5"]
+    p = run("train.py", *args, "--max_iters=10")
+    assert p.returncode == 0 and (tmp_path / "ckpt.pt").exists(), p.stderr
+    p = run("train.py", *args, "--max_iters=20", "--patience=1", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    assert "step 15:" in p.stdout, p.stdout  # trained on past the evaluation that re-read the checkpoint
+    out = tmp_path / "zero"
+    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_interval=5",
+            "--max_iters=10", "--learning_rate=0", "--decay_lr=False")
+    assert p.returncode == 0 and (out / "ckpt.pt").exists(), p.stdout
 
 
 def test_derived_defaults_follow_the_overrides(tiny_data, tmp_path):

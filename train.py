@@ -124,7 +124,7 @@ check("n_embd", n_embd >= 1, ">= 1")
 check("mixer", mixer in ("kla", "gdn", "attn"), "'kla', 'gdn' or 'attn'")
 check("expand_k", 0 < expand_k < math.inf, "a finite number > 0")
 check("expand_v", 0 < expand_v < math.inf, "a finite number > 0")
-check("conv_size", conv_size >= 1, ">= 1")
+check("conv_size", conv_size >= 2, ">= 2 (the current token and at least one before it)")
 check("mlp_hidden", mlp_hidden >= 0, ">= 0 (0: 8/3 n_embd)")
 check("chunk_size", chunk_size >= 1, ">= 1")
 check("backend", backend in ("auto", "triton", "chunkwise", "recurrent"), "'auto', 'triton', 'chunkwise' or 'recurrent'")
@@ -464,6 +464,7 @@ def check_steps():
 X, Y, cu_seqlens = get_batch("train", (0, iter_num, rank * gradient_accumulation_steps))
 steps = []  # (iteration, its loss and gradient norm on the device) since the last check_steps
 t0, n_timed = time.time(), 0  # the time per iteration is measured over the iterations between two log lines
+resumed_eval = init_from == "resume"  # the first evaluation of a resumed run: the checkpoint's weights
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -477,12 +478,15 @@ while True:
             log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
             if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
                 fail(f"the evaluation loss is not finite at iteration {iter_num}; the checkpoint was not overwritten")
-            evals_since_best = 0 if losses["val"] < best_val_loss else evals_since_best + 1
-            if losses["val"] < best_val_loss or always_save_checkpoint:
-                best_val_loss = min(best_val_loss, losses["val"])
-                if iter_num > 0:
+            # iteration 0 is the untrained model, and a resumed run's first evaluation re-reads its checkpoint:
+            # neither is a new best or a step without one
+            if iter_num > 0 and not resumed_eval:
+                evals_since_best = 0 if losses["val"] < best_val_loss else evals_since_best + 1
+                if losses["val"] < best_val_loss or always_save_checkpoint:
+                    best_val_loss = min(best_val_loss, losses["val"])
                     save_checkpoint()
                     print(f"saved checkpoint to {ckpt_path}")
+            resumed_eval = False
         if patience:  # early stopping: the master decides, every process stops
             stop = torch.tensor(int(evals_since_best >= patience), device=device)
             if ddp:
