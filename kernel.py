@@ -43,7 +43,8 @@ Block sizes, warps and pipeline stages: the config functions after the kernels, 
 
 Packed sequences (cu_seqlens): kla_chunk lays them out chunk-aligned (_varlen_layout: each sequence from a multiple
 of C, zeros between, which change nothing), so that no chunk holds two sequences; only _fwd_kernel and
-_bwd_state_kernel change (VARLEN), restarting the state at each sequence's first chunk (dS at its last).
+_bwd_state_kernel change (VARLEN): one program per (sequence, head, value block) walks that sequence's chunks
+from its initial state, so the packed sequences run in parallel.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
 (fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
@@ -260,34 +261,32 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, first, last, T, H, Tp,
+def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, T, H, Tp,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, FUSE_O: tl.constexpr,
                 VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Sequential over chunks, state S (K x BV) in float32 registers:
         U = U0 - W S,  O = O0 + Qe S (o holds O0),  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U.
     FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step.
-    VARLEN: packed sequences laid out chunk-aligned (batch 1); first[n] / last[n] = the sequence whose first /
-    last chunk n is, else -1. S restarts from h0[seq] (or 0) at a first chunk and goes to ht[seq] after a last."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    VARLEN: packed sequences laid out chunk-aligned (batch 1); program (i_v, seq * H + head) walks only the
+    chunks cs[seq] .. cs[seq + 1] - 1 of its sequence, so the sequences run in parallel."""
+    i_v, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)  # i_p: the state's index, (seq or batch) * H + head
     N = tl.cdiv(T, C)
+    i_bh, n0, n1 = i_p, 0, N
+    if VARLEN:
+        i_bh = i_p % H
+        n0, n1 = tl.load(cs + i_p // H), tl.load(cs + i_p // H + 1)
+    i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     o_off = (i_b * T * H + i_h) * V
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0 and not VARLEN:
-        S += _ld(h0 + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
-    for n in range(N):
+    if USE_H0:
+        S += _ld(h0 + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
+    for n in range(n0, n1):
         t0 = n * C
         rt = t0 + r
-        if VARLEN:
-            i_s = tl.load(first + n).to(tl.int64)
-            if i_s >= 0:
-                S = tl.zeros([BK, BV], dtype=tl.float32)
-                if USE_H0:
-                    S += _ld(h0 + (i_s * H + i_h) * K * V, ck, cv, K, V, V, 1).to(tl.float32)
         if SAVE_H:
             _st(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, S)
         bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
@@ -303,12 +302,8 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, first, last, T, H, Tp,
             bo += tl.dot(bqe, Sb, input_precision=PREC)
             _st(o + o_off, rt, cv, T, V, H * V, 1, bo)
         S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
-        if VARLEN and STORE_HT:
-            i_e = tl.load(last + n).to(tl.int64)
-            if i_e >= 0:
-                _st(ht + (i_e * H + i_h) * K * V, ck, cv, K, V, V, 1, S)
-    if STORE_HT and not VARLEN:
-        _st(ht + i_bh * K * V, ck, cv, K, V, V, 1, S)
+    if STORE_HT:
+        _st(ht + i_p * K * V, ck, cv, K, V, V, 1, S)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
@@ -363,32 +358,30 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, first, last, T, H, Tp, scale,
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn.
-    VARLEN (as _fwd_kernel): dS restarts from dht[seq] (or 0) at a last chunk and goes to dh0[seq] after a first."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    VARLEN (as _fwd_kernel): each program walks back over its own sequence's chunks."""
+    i_v, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)
     N = tl.cdiv(T, C)
+    i_bh, n0, n1 = i_p, 0, N
+    if VARLEN:
+        i_bh = i_p % H
+        n0, n1 = tl.load(cs + i_p // H), tl.load(cs + i_p // H + 1)
+    i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT and not VARLEN:
-        dS += _ld(dht + i_bh * K * V, ck, cv, K, V, V, 1).to(tl.float32)
-    for n in range(N - 1, -1, -1):
+    if USE_DHT:
+        dS += _ld(dht + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
+    for n in range(n1 - 1, n0 - 1, -1):
         t0 = n * C
         rt = t0 + r
-        if VARLEN:
-            i_e = tl.load(last + n).to(tl.int64)
-            if i_e >= 0:
-                dS = tl.zeros([BK, BV], dtype=tl.float32)
-                if USE_DHT:
-                    dS += _ld(dht + (i_e * H + i_h) * K * V, ck, cv, K, V, V, 1).to(tl.float32)
         _st(dhs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, dS)
         bwd = _ld(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bdv = _ld(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
@@ -402,12 +395,8 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, first, last,
         bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
         dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
-        if VARLEN and STORE_DH0:
-            i_s = tl.load(first + n).to(tl.int64)
-            if i_s >= 0:
-                _st(dh0 + (i_s * H + i_h) * K * V, ck, cv, K, V, V, 1, dS)
-    if STORE_DH0 and not VARLEN:
-        _st(dh0 + i_bh * K * V, ck, cv, K, V, V, 1, dS)
+    if STORE_DH0:
+        _st(dh0 + i_p * K * V, ck, cv, K, V, V, 1, dS)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
@@ -680,9 +669,9 @@ def _check_cu_seqlens(cu_seqlens, q):
 def _varlen_layout(bounds, device):
     """The chunk-aligned layout of packed sequences: sequence n moves to padded positions from p_n, a multiple of
     C, so that no chunk holds two sequences (the gaps are zeros: beta = 0, g = 0, no change to the state).
-    Returns (the padded position of every token (T,), the gap positions, the padded length Tp, per chunk the
-    sequence whose first / last chunk it is or -1 (for _fwd_kernel and _bwd_state_kernel), N); built on the
-    host, one copy to the device."""
+    Returns (the padded position of every token (T,), the gap positions, the padded length Tp, the first chunk
+    of every sequence and the number of chunks (N + 1,) (for _fwd_kernel and _bwd_state_kernel), N); built on
+    the host, one copy to the device."""
     C = C_CHUNK
     cu = torch.tensor(bounds)
     lens = cu[1:] - cu[:-1]
@@ -691,12 +680,9 @@ def _varlen_layout(bounds, device):
     pos = torch.arange(bounds[-1]) + torch.repeat_interleave(start[:-1] * C - cu[:-1], lens)
     gap = torch.ones(n_chunks * C, dtype=torch.bool)
     gap[pos] = False
-    first, last = torch.full((n_chunks,), -1), torch.full((n_chunks,), -1)
-    first[start[:-1]] = torch.arange(N)
-    last[start[1:] - 1] = torch.arange(N)
     gap = gap.nonzero()[:, 0]
-    parts = torch.cat([pos, gap, first, last]).to(device).split([len(pos), len(gap), n_chunks, n_chunks])
-    return *parts[:2], n_chunks * C, *parts[2:], N
+    parts = torch.cat([pos, gap, start]).to(device).split([len(pos), len(gap), N + 1])
+    return *parts[:2], n_chunks * C, parts[2], N
 
 
 def _common_dtype(q, k, v):
@@ -786,9 +772,9 @@ class KLAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save,
-                first=None, last=None, n_seq=None):
-        """first, last, n_seq: packed sequences laid out chunk-aligned in a batch of 1 (_varlen_layout): the
-        sequence whose first / last chunk each chunk is (or -1) and their number; states are then (n_seq, H, K, V)."""
+                cs=None, n_seq=None):
+        """cs, n_seq: packed sequences laid out chunk-aligned in a batch of 1 (_varlen_layout): the first chunk of
+        each sequence (then the number of chunks) and their number; states are then (n_seq, H, K, V)."""
         B, T, H, K = q.shape
         V = v.shape[-1]
         C, BK = C_CHUNK, _block_k(K)
@@ -807,20 +793,20 @@ class KLAChunkFunction(torch.autograd.Function):
         _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
                                  PREC=prec, num_warps=_prep_warps(BK, fp32))
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
-        n_state = B if first is None else n_seq
+        n_state = B if cs is None else n_seq
         ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-        fuse_o = _fwd_fuse_o(B * H, V, save, N)
+        fuse_o = _fwd_fuse_o(n_state * H, V, save, N)
         hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
         w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
         u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
         BVP, nwp = _pre_config(BK, V, fp32)
         _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
-        BV, nw, ns = _seq_config(B * H, V, fp32)
-        _fwd_kernel[(triton.cdiv(V, BV), B * H)](
-            k, bl, w, qe, u0, h0, o, ht, hs, first, last, T, H, Tp,
+        BV, nw, ns = _seq_config(n_state * H, V, fp32)
+        _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
+            k, bl, w, qe, u0, h0, o, ht, hs, cs, T, H, Tp,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-            SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=first is not None, PREC=prec, DT=dt,
+            SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=cs is not None, PREC=prec, DT=dt,
             num_warps=nw, num_stages=ns)
         if not fuse_o:
             _fwd_o_kernel[(N, B * H)](qe, hs, o, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, PREC=prec, DT=dt,
@@ -829,13 +815,13 @@ class KLAChunkFunction(torch.autograd.Function):
         if save:
             ctx.save_for_backward(q, k, v, g, eta, bl, beta, ar, hs)
             ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype,
-                        first, last, n_state)
+                        cs, n_state)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, eta, bl, beta, ar, hs = ctx.saved_tensors
-        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, first, last, n_state = ctx.meta
+        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, cs, n_state = ctx.meta
         has_h0 = h0_dtype is not None
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -854,10 +840,10 @@ class KLAChunkFunction(torch.autograd.Function):
         BVP, nwp = _pre_config(BK, V, fp32)
         _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
-        BV, nw, ns = _seq_config(B * H, V, fp32, bwd=True)
-        _bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
-            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, first, last, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=first is not None,
+        BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
+        _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
+            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cs, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=cs is not None,
             PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
         del wd, dv0
         dq, dk = torch.empty_like(q), torch.empty_like(k)
@@ -904,13 +890,13 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     if layout is None:
         return KLAChunkFunction.apply(q, k, v, g, eta, *args)
     # packed sequences: scattered into the chunk-aligned layout and o gathered back by differentiable indexing
-    pos, gap, Tp, first, last, n_seq = layout
+    pos, gap, Tp, cs, n_seq = layout
 
     def pad(x):  # (1, T, ...) -> (1, Tp, ...), zeros between the sequences
         xp = x.new_empty(1, Tp, *x.shape[2:]).index_fill_(1, gap, 0)
         return xp.index_copy_(1, pos, x)
 
-    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, first, last, n_seq)
+    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, cs, n_seq)
     return o[:, pos], ht
 
 
