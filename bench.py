@@ -14,8 +14,9 @@ Sections (comma-separated; default kernel,decode):
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
   tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
   tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
-  train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, eager and compiled
-          (--compile=0,1; --lengths=2048 picks lengths): a training step at
+  train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
+          (--mixers=attn,kla,gdn,kla:recompute), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
+          training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
           and fla's GatedDeltaNet LM of this width in two head shapes (V 256: fla's kernels; V 128: FlashQLA's),
           eager and compiled, when flash-linear-attention imports (--fla_lm=0: not).
@@ -44,6 +45,7 @@ if "--smoke" in sys.argv:
 import time
 
 import torch
+import torch._functorch.config
 import triton
 
 import kernel
@@ -412,8 +414,12 @@ def model_configs(smoke):
 
 
 def train_model(mixer, block_size, device, compiled=False, smoke=None):
+    """mixer: 'kla', 'gdn', 'attn', or one with ':recompute' (GPTConfig.recompute) or ':budget=F' (compiled with
+    torch._functorch.config.activation_memory_budget = F: the partitioner recomputes to keep that share of the
+    activations; set by section_train before the first step, which compiles)."""
     cfg, _ = model_configs(smoke if smoke is not None else device != "cuda")
-    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **cfg)).to(device)
+    mixer, _, how = mixer.partition(":")
+    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, recompute=how == "recompute", **cfg)).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
     if compiled:  # in place: model stays the GPT, with get_num_params and flops_per_token. Static shapes,
@@ -464,7 +470,7 @@ def section_train(device, smoke):
         except Exception as err:  # fla's model failing must not stop ours
             print(f"fla LM: {type(err).__name__}: {str(err)[:300]}", flush=True)
     for compiled in compiled_modes:
-        for mixer in ARGS.get("mixers", "attn,kla,gdn").split(","):  # the first is the ratios' base
+        for mixer in ARGS.get("mixers", "attn,kla,gdn,kla:recompute").split(","):  # the first is the ratios' base
             model = opt = None
             for batch, T in shapes:
                 if device == "cuda":
@@ -473,6 +479,8 @@ def section_train(device, smoke):
                 if model is None:
                     model, opt = train_model(mixer, max(T for _, T in shapes), device, compiled)
                 step = train_step_fn(model, opt, batch, T, device)
+                budget = mixer.partition(":budget=")[2]
+                torch._functorch.config.activation_memory_budget = float(budget) if budget else 1.0
                 t0 = time.perf_counter()
                 try:
                     step()  # compiles

@@ -261,7 +261,7 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, T, H, Tp,
+def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, FUSE_O: tl.constexpr,
                 VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -273,9 +273,11 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, T, H, Tp,
     i_v, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)  # i_p: the state's index, (seq or batch) * H + head
     N = tl.cdiv(T, C)
     i_bh, n0, n1 = i_p, 0, N
-    if VARLEN:
+    if VARLEN:  # the programs take the sequences longest first (order), so that none starts last
+        i_s = tl.load(order + i_p // H).to(tl.int64)
         i_bh = i_p % H
-        n0, n1 = tl.load(cs + i_p // H), tl.load(cs + i_p // H + 1)
+        i_p = i_s * H + i_bh
+        n0, n1 = tl.load(cs + i_s), tl.load(cs + i_s + 1)
     i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
@@ -358,7 +360,7 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, T, H, Tp, scale,
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, order, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):
@@ -368,9 +370,11 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, T, H, Tp
     i_v, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)
     N = tl.cdiv(T, C)
     i_bh, n0, n1 = i_p, 0, N
-    if VARLEN:
+    if VARLEN:  # the programs take the sequences longest first (order), so that none starts last
+        i_s = tl.load(order + i_p // H).to(tl.int64)
         i_bh = i_p % H
-        n0, n1 = tl.load(cs + i_p // H), tl.load(cs + i_p // H + 1)
+        i_p = i_s * H + i_bh
+        n0, n1 = tl.load(cs + i_s), tl.load(cs + i_s + 1)
     i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
@@ -670,8 +674,8 @@ def _varlen_layout(bounds, device):
     """The chunk-aligned layout of packed sequences: sequence n moves to padded positions from p_n, a multiple of
     C, so that no chunk holds two sequences (the gaps are zeros: beta = 0, g = 0, no change to the state).
     Returns (the padded position of every token (T,), the gap positions, the padded length Tp, the first chunk
-    of every sequence and the number of chunks (N + 1,) (for _fwd_kernel and _bwd_state_kernel), N); built on
-    the host, one copy to the device."""
+    of every sequence and the number of chunks (N + 1,), the sequences from the most chunks to the fewest (N,)
+    (both for _fwd_kernel and _bwd_state_kernel), N); built on the host, one copy to the device."""
     C = C_CHUNK
     cu = torch.tensor(bounds)
     lens = cu[1:] - cu[:-1]
@@ -681,8 +685,9 @@ def _varlen_layout(bounds, device):
     gap = torch.ones(n_chunks * C, dtype=torch.bool)
     gap[pos] = False
     gap = gap.nonzero()[:, 0]
-    parts = torch.cat([pos, gap, start]).to(device).split([len(pos), len(gap), N + 1])
-    return *parts[:2], n_chunks * C, parts[2], N
+    order = torch.argsort(start[:-1] - start[1:], stable=True)  # most chunks first
+    parts = torch.cat([pos, gap, start, order]).to(device).split([len(pos), len(gap), N + 1, N])
+    return *parts[:2], n_chunks * C, *parts[2:], N
 
 
 def _common_dtype(q, k, v):
@@ -772,9 +777,10 @@ class KLAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save,
-                cs=None, n_seq=None):
-        """cs, n_seq: packed sequences laid out chunk-aligned in a batch of 1 (_varlen_layout): the first chunk of
-        each sequence (then the number of chunks) and their number; states are then (n_seq, H, K, V)."""
+                cs=None, order=None, n_seq=None):
+        """cs, order, n_seq: packed sequences laid out chunk-aligned in a batch of 1 (_varlen_layout): the first
+        chunk of each sequence (then the number of chunks), the sequences longest first, and their number; states
+        are then (n_seq, H, K, V)."""
         B, T, H, K = q.shape
         V = v.shape[-1]
         C, BK = C_CHUNK, _block_k(K)
@@ -804,7 +810,7 @@ class KLAChunkFunction(torch.autograd.Function):
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(n_state * H, V, fp32)
         _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
-            k, bl, w, qe, u0, h0, o, ht, hs, cs, T, H, Tp,
+            k, bl, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
             SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=cs is not None, PREC=prec, DT=dt,
             num_warps=nw, num_stages=ns)
@@ -815,13 +821,13 @@ class KLAChunkFunction(torch.autograd.Function):
         if save:
             ctx.save_for_backward(q, k, v, g, eta, bl, beta, ar, hs)
             ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype,
-                        cs, n_state)
+                        cs, order, n_state)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, eta, bl, beta, ar, hs = ctx.saved_tensors
-        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, cs, n_state = ctx.meta
+        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, cs, order, n_state = ctx.meta
         has_h0 = h0_dtype is not None
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -842,7 +848,7 @@ class KLAChunkFunction(torch.autograd.Function):
                                     BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
         _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
-            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cs, T, H, Tp, scale,
+            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cs, order, T, H, Tp, scale,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=cs is not None,
             PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
         del wd, dv0
@@ -890,13 +896,13 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     if layout is None:
         return KLAChunkFunction.apply(q, k, v, g, eta, *args)
     # packed sequences: scattered into the chunk-aligned layout and o gathered back by differentiable indexing
-    pos, gap, Tp, cs, n_seq = layout
+    pos, gap, Tp, cs, order, n_seq = layout
 
     def pad(x):  # (1, T, ...) -> (1, Tp, ...), zeros between the sequences
         xp = x.new_empty(1, Tp, *x.shape[2:]).index_fill_(1, gap, 0)
         return xp.index_copy_(1, pos, x)
 
-    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, cs, n_seq)
+    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, cs, order, n_seq)
     return o[:, pos], ht
 
 

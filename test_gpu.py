@@ -4,7 +4,8 @@ model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
     python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--paths=default,alt] [--large] [--smoke]
 --varlen runs only the cases of packed sequences (cu_seqlens; in the default run too): N sequences in a batch
-of 1, each from its own initial state, against the float64 reference run on each sequence alone.
+of 1, each from its own initial state, against the float64 reference run on each sequence alone; and the model
+on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
 the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
@@ -210,6 +211,60 @@ def check_model_decode(device, compiled, fused=True, batch=2):
     return {"logits": rel(torch.cat(got, 1), want), "tokens_vs_plain": float((toks != plain).float().mean())}
 
 
+def check_documents(lines, device, smoke):
+    """The model on packed documents (cu_seqlens) on this device: each document's loss as the document alone
+    (float32, 1e-5; attention through FlexAttention's document mask on CUDA), the same torch.compile'd in bf16
+    (loss within 1e-2 of eager, finite gradients), and prompts of different lengths read packed then decoded
+    as one batch, each with the greedy tokens it gets alone. Rows appended to lines; returns the failures."""
+    import torch.nn.functional as F
+    lens = [1, 3, 17, 8, 33] if smoke else [1, 3, 17, 100, 64, 300, 65, 1000]
+    cu = torch.tensor([0, *lens], device=device).cumsum(0)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    failures = 0
+    lines += ["", f"packed documents in the model ({len(lens)} documents of {min(lens)} to {max(lens)} tokens):", ""]
+    for mixer in ("kla", "gdn", "attn"):
+        torch.manual_seed(0)
+        cfg = dict(n_layer=2, n_head=2, n_embd=32 if smoke else 128, vocab_size=61, block_size=int(cu[-1]),
+                   mixer=mixer, chunk_size=16)
+        m = model.GPT(model.GPTConfig(**cfg)).to(device)
+        m.set_backend(device.type if hasattr(device, "type") else str(device))
+        idx, targets = torch.randint(0, 61, (2, 1, int(cu[-1])), device=device)
+        logits, _ = m(idx, targets, cu_seqlens=cu)
+        token_losses = F.cross_entropy(logits[0].float(), targets[0], reduction="none")
+        packed = torch.stack([token_losses[a:b].mean() for a, b in bounds])
+        with torch.no_grad():
+            alone = torch.stack([m(idx[:, a:b], targets[:, a:b])[1] for a, b in bounds])
+        err = rel(packed, alone)
+        ok = err < 1e-5
+        row = f"{mixer}: per-document losses, float32, packed vs alone {err:.1e}"
+        if not smoke:  # compiled, bf16 autocast, as train.py --documents=True --compile=True runs
+            mc = model.GPT(model.GPTConfig(**cfg)).to(device)
+            mc.load_state_dict(m.state_dict())
+            mc.set_backend("cuda")
+            mc.compile()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss_c = mc(idx, targets, cu_seqlens=cu)
+                _, loss_e = m(idx, targets, cu_seqlens=cu)
+            loss_c.backward()
+            finite = all(p.grad is None or torch.isfinite(p.grad).all() for p in mc.parameters())
+            err_c = abs(loss_c.item() - loss_e.item()) / abs(loss_e.item())
+            ok = ok and finite and err_c < 1e-2
+            row += f"; compiled bf16 loss vs eager {err_c:.1e}, gradients {'finite' if finite else 'NOT finite'}"
+        if mixer != "attn":
+            m.eval()
+            prompts = [idx[0, a:b] for a, b in bounds]
+            with torch.no_grad():
+                together = torch.cat(list(m.stream(prompts, 16, temperature=0, cuda_graph=not smoke)), 1)
+                each = torch.cat([torch.cat(list(m.stream(p[None], 16, temperature=0)), 1) for p in prompts])
+            same = torch.equal(together, each)
+            ok = ok and same
+            row += f"; packed prompts decoded as one batch: {'the same' if same else 'DIFFERENT'} greedy tokens as each alone"
+        failures += not ok
+        lines.append(row + f" {'ok' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
+    return failures
+
+
 def check_decoding(lines, device, gen, smoke):
     """The decode step, the fused decoding kernels and the whole model decoding: rows appended to lines; returns
     the number of failures."""
@@ -350,6 +405,7 @@ def main():
         lines += ["", "past 2**31 elements, (1, 2**21, 8, 128) bf16, last head vs the same head alone: "
                   + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
         print(lines[-1], flush=True)
+    failures += check_documents(lines, device, smoke)
     if not varlen_only:
         failures += check_decoding(lines, device, gen, smoke)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
