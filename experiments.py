@@ -4,12 +4,16 @@ several at once on one GPU, and their results gathered into results/<task>/.
 
 $ python experiments.py --tasks=mqar,sniah,lm --mixers=kla,gdn,attn --seeds=1,2,3    # run, then collect + plot
 $ python experiments.py --collect=True       # only gather out-exp/*/eval.json into results/<task>/ and plot
+$ python experiments.py --tasks=lm,mqar --mixers=kla --step_rules=kaczmarz,unit,raw,scalar,longhorn,deltanet \
+      --seeds=1,2,3 --results_dir=results/step_rules    # the step-size ablation: one mixer, one run per rule
 
 Tasks (their config file holds every hyper-parameter; flags after --train_args override them for all runs):
   mqar   config/mqar.py: MQAR, 256 tokens, 32 pairs, vocab 8192; accuracy at 1x, 2x, 4x, 8x
   sniah  config/sniah.py: MQAR with one pair, trained at 1024; accuracy at 1024 .. 8192
   lm     config/python_stdlib.py: GPT-2 BPE over the Python standard library; val loss at 1x .. 16x
   mqar_small  config/mqar_small.py: a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256), to check the pipeline
+--step_rules: the layer of the one mixer in --mixers with each step-size rule in turn (train.py --step_rule, model.py's
+STEP_RULES; 'deltanet' is the rule 'unit' with --decay=False), a run each named <task>-<rule>-<seed>.
 Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
 eval.json exists is skipped, so seeds can be added later; one with a checkpoint but no eval.json (stopped or
 killed) is resumed from it. --deadline=S stops the training runs still going after S seconds (their best
@@ -17,7 +21,8 @@ checkpoint so far is evaluated, and the iteration reached is recorded; with --ev
 for the next call to resume, e.g. on a machine that keeps --root between calls).
 --data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
 results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
-already there); <task>.png beside it plots the mean and spread over seeds per mixer against the evaluation length.
+already there), its mixer and step_rule (empty: the mixer's own); <task>.png beside it plots the mean and spread
+over seeds per mixer (or rule) against the evaluation length.
 """
 import csv
 import json
@@ -33,10 +38,14 @@ TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
 # the paper's MQAR / S-NIAH accuracies (%), KLA.md, for the plots and tables
 PAPER = {"mqar": {"kla": [98.35, 98.16, 95.64, 73.84], "gdn": [98.74, 98.36, 94.31, 66.81]},
          "sniah": {"kla": [100.0, 100.0, 100.0, 100.0]}}
+# the step-size ablation (--step_rules): each rule's train.py flags
+STEP_RULE_FLAGS = {**{rule: [f"--step_rule={rule}"] for rule in ("kaczmarz", "unit", "raw", "scalar", "longhorn")},
+                   "deltanet": ["--step_rule=unit", "--decay=False"]}
 
 # -----------------------------------------------------------------------------
 tasks = "mqar,sniah,lm"
 mixers = "kla,gdn,attn"
+step_rules = ""  # e.g. "kaczmarz,unit,deltanet": a run per rule (STEP_RULE_FLAGS) of the one mixer in --mixers; "": none
 seeds = "1,2,3"
 jobs = 9  # training processes at once (in all)
 gpus = ""  # GPUs to spread the runs over, e.g. "0,1" (a run sees one, through CUDA_VISIBLE_DEVICES); "": all
@@ -56,12 +65,21 @@ here = os.path.dirname(os.path.abspath(__file__))
 
 
 def runs():
+    """(task, train.py flags of the model, seed, out_dir) of every run: a mixer each, or a step rule each."""
+    rules = step_rules.split(",") if step_rules else []
+    for rule in rules:
+        if rule not in STEP_RULE_FLAGS:
+            sys.exit(f"error: unknown step rule {rule!r}; choose from {', '.join(STEP_RULE_FLAGS)}")
+    if rules and mixers not in ("kla", "gdn"):
+        sys.exit(f"error: --step_rules varies the layer of one mixer: --mixers=kla or gdn, got {mixers!r}")
+    models = {rule: [f"--mixer={mixers}"] + STEP_RULE_FLAGS[rule] for rule in rules} \
+        or {mixer: [f"--mixer={mixer}"] for mixer in mixers.split(",")}
     for task in tasks.split(","):
         if task not in TASKS:
             sys.exit(f"error: unknown task {task!r}; choose from {', '.join(TASKS)}")
-        for mixer in mixers.split(","):
+        for name, flags in models.items():
             for seed in seeds.split(","):
-                yield task, mixer, int(seed), os.path.join(root, f"{task}-{mixer}-{seed}")
+                yield task, flags, int(seed), os.path.join(root, f"{task}-{name}-{seed}")
 
 
 def gpu_ids():
@@ -98,9 +116,9 @@ def run_all():
     devices, gpu_of = gpu_ids(), {}  # gpu_of: out_dir -> the GPU it runs on
     while waiting or running:
         while waiting and len(running) < jobs and not (deadline and time.time() - t0 > deadline):
-            task, mixer, seed, out_dir = waiting.pop(0)
+            task, flags, seed, out_dir = waiting.pop(0)
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # stopped or killed before: go on from it
-            cmd = ["train.py", TASKS[task][0], f"--mixer={mixer}", f"--seed={seed}", f"--out_dir={out_dir}",
+            cmd = ["train.py", TASKS[task][0], *flags, f"--seed={seed}", f"--out_dir={out_dir}",
                    f"--data_dir={data_dir}", "--sample_tokens=0"] + train_args.split() + ["--init_from=resume"] * resume
             gpu_of[out_dir] = least_busy(devices, gpu_of, running)
             running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
@@ -136,7 +154,8 @@ def collect_results():
         rows = {}
         if os.path.exists(path):
             with open(path) as f:
-                rows = {(r["mixer"], r["seed"]): r for r in csv.DictReader(f)}
+                rows = {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
+                        for r in csv.DictReader(f)}
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             if not name.startswith(task + "-") or not os.path.exists(os.path.join(root, name, "eval.json")):
                 continue
@@ -145,11 +164,13 @@ def collect_results():
             vals = [r["val_loss"] for r in log if "val_loss" in r]
             tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
             last = max((r.get("iter", 0) for r in log), default=0)
-            row = {"mixer": ev["mixer"], "seed": str(ev["seed"]), "best_iter": ev["iter_num"],
+            rule = name[len(task) + 1:].rpartition("-")[0]  # the run's name: <task>-<mixer or rule>-<seed>
+            row = {"mixer": ev["mixer"], "step_rule": rule if rule in STEP_RULE_FLAGS else "",
+                   "seed": str(ev["seed"]), "best_iter": ev["iter_num"],
                    "last_iter": last, "best_val_loss": f"{min(vals):.4f}" if vals else "",
                    "tok_s": f"{tok_s[len(tok_s) // 2]:.0f}" if tok_s else ""}
             row.update({f"{column}@{r['length']}": f"{r[column]:.4f}" for r in ev["results"]})
-            rows[(row["mixer"], row["seed"])] = row
+            rows[(row["mixer"], row["step_rule"], row["seed"])] = row
         if not rows:
             continue
         os.makedirs(out, exist_ok=True)
@@ -157,17 +178,17 @@ def collect_results():
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
-            w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], int(r["seed"]))))
+            w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], r["step_rule"], int(r["seed"]))))
         print(summary(task, column, list(rows.values())))
         plot(task, column, list(rows.values()), out)
 
 
 def by_mixer(rows, column):
-    """{mixer: (lengths, [values per length per seed])}"""
+    """{mixer, or the step rule of an ablation's run: (lengths, [values per length per seed])}"""
     out = {}
     for r in rows:
         keys = sorted((int(k.split("@")[1]) for k in r if k.startswith(column + "@") and r[k] != ""))
-        out.setdefault(r["mixer"], (keys, []))[1].append([float(r[f"{column}@{n}"]) for n in keys])
+        out.setdefault(r.get("step_rule") or r["mixer"], (keys, []))[1].append([float(r[f"{column}@{n}"]) for n in keys])
     return out
 
 
@@ -183,7 +204,7 @@ def summary(task, column, rows):
     lengths = groups[0][1][0] if groups else []
     unit = " (%)" if column == "accuracy" else ""
     lines = [f"{task}: {column}{unit} at each evaluation length, mean ± sample std over seeds", "",
-             "| mixer | seeds | " + " | ".join(str(n) for n in lengths) + " |", "|---|---|" + "---|" * len(lengths)]
+             "| mixer or rule | seeds | " + " | ".join(str(n) for n in lengths) + " |", "|---|---|" + "---|" * len(lengths)]
     for mixer, (_, vals) in groups:
         v = np.array(vals) * (100 if column == "accuracy" else 1)
         cells = [f"{m:.2f} ± {sd:.2f}" if len(v) > 1 else f"{m:.2f}" for m, sd in zip(v.mean(0), spread(v))]  # no spread of one

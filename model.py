@@ -19,7 +19,8 @@ References:
 
 The mixer is switchable (GPTConfig.mixer): 'kla', 'gdn' (the same layer with q, k normalised and
 beta = eta) and 'attn' (causal softmax attention with RoPE, the Transformer++ baseline). Everything
-else in the model is shared, so comparisons between them are fair.
+else in the model is shared, so comparisons between them are fair. For the ablation of the step size
+alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES) and decay=False sets g = 0.
 """
 
 import math
@@ -109,10 +110,32 @@ def _per_sequence(fn, bounds, q, k, v, g, eta, initial_state, output_final_state
     return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
 
 
-def kla_beta(k, eta, eps=1e-6, kaczmarz=True):
-    """The delta-rule step size: Kaczmarz's eta / (||k||^2 + eps), or GDN's plain eta.
+# The step-size rules of the delta rule (GPTConfig.step_rule), beta from eta and the keys:
+#   'kaczmarz'  eta / (||k||^2 + eps) on raw keys (KLA)
+#   'unit'      eta on L2-normalised keys (GDN)
+#   'raw'       eta on raw keys
+#   'scalar'    sigmoid of a learned per-head parameter (eta the same at every token) on raw keys
+#   'longhorn'  eta / (1 + eta ||k||^2) on raw keys (Longhorn's)
+# The functions below take k and eta as given: the layer normalises the keys ('unit') and makes eta.
+STEP_RULES = ("kaczmarz", "unit", "raw", "scalar", "longhorn")
+
+
+def step_rule(rule, kaczmarz=True):
+    """rule (one of STEP_RULES, else a ValueError); without one, KLA's 'kaczmarz' or (kaczmarz=False) GDN's 'unit'."""
+    rule = rule or ("kaczmarz" if kaczmarz else "unit")
+    if rule not in STEP_RULES:
+        raise ValueError(f"rule must be one of {', '.join(STEP_RULES)}, got {rule!r}")
+    return rule
+
+
+def kla_beta(k, eta, eps=1e-6, kaczmarz=True, rule=None):
+    """The delta-rule step size beta (B, T, H) of a rule (step_rule(rule, kaczmarz)): only 'kaczmarz' and
+    'longhorn' compute it from the keys; the others are beta = eta.
     With eps = 0 a zero key has nothing to project onto: beta = 0 there (no write), not 0 * inf."""
-    if not kaczmarz:
+    rule = step_rule(rule, kaczmarz)
+    if rule == "longhorn":
+        return eta / (1 + eta * k.pow(2).sum(-1))
+    if rule != "kaczmarz":
         return eta
     r2 = k.pow(2).sum(-1) + eps
     return torch.where(r2 > 0, eta / r2.clamp_min(torch.finfo(r2.dtype).tiny), 0.0)
@@ -126,19 +149,20 @@ def _upcast(q, k, v, g, eta, initial_state):
 
 
 def kla_recurrent(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
-                  output_final_state=False, kaczmarz=True, cu_seqlens=None):
-    """Token-by-token reference: the recurrence exactly as written in the module docstring.
+                  output_final_state=False, kaczmarz=True, cu_seqlens=None, rule=None):
+    """Token-by-token reference: the recurrence exactly as written in the module docstring, with the step
+    size of rule (STEP_RULES; without one, kaczmarz picks KLA's or GDN's: see kla_beta).
     cu_seqlens (N + 1,): q etc. hold N sequences packed in a batch of 1, sequence n at tokens
     cu_seqlens[n]:cu_seqlens[n + 1], starting from initial_state[n] ((N, H, K, V), or zeros); the final
     state is then (N, H, K, V). The same in kla_chunkwise."""
     bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
     if bounds is not None:
         return _per_sequence(kla_recurrent, bounds, q, k, v, g, eta, initial_state, output_final_state,
-                             eps=eps, scale=scale, kaczmarz=kaczmarz)
+                             eps=eps, scale=scale, kaczmarz=kaczmarz, rule=rule)
     out_dtype, T = q.dtype, q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
-    beta = kla_beta(k, eta, eps, kaczmarz)  # (B, T, H)
+    beta = kla_beta(k, eta, eps, kaczmarz, rule)  # (B, T, H)
     outs = []
     for t in range(T):
         k_t = k[:, t]  # (B, H, K)
@@ -154,8 +178,8 @@ GATE_FLOOR = -1000.0  # exp(-1000) is 0 in float64: a gate at or below it forget
 
 
 def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
-                  output_final_state=False, kaczmarz=True, chunk_size=64, cu_seqlens=None):
-    """Chunkwise reference (WY / UT transform). Inside a chunk of C tokens with b = cumsum(g):
+                  output_final_state=False, kaczmarz=True, chunk_size=64, cu_seqlens=None, rule=None):
+    """Chunkwise reference (WY / UT transform); rule as in kla_recurrent. Inside a chunk of C tokens with b = cumsum(g):
         A = StrictTril(Diag(beta) (K K^T * Gamma)),  Gamma_ij = exp(b_i - b_j)
         U = (I + A)^-1 Diag(beta) (V - Diag(exp b) K S0)         (the "new values", beta e_t)
         O = scale (Diag(exp b) Q S0 + Tril(Q K^T * Gamma) U)
@@ -167,11 +191,11 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if bounds is not None:
         return _per_sequence(kla_chunkwise, bounds, q, k, v, g, eta, initial_state, output_final_state,
-                             eps=eps, scale=scale, kaczmarz=kaczmarz, chunk_size=chunk_size)
+                             eps=eps, scale=scale, kaczmarz=kaczmarz, chunk_size=chunk_size, rule=rule)
     out_dtype, (B, T, H, K), V, C = q.dtype, q.shape, v.shape[-1], chunk_size
     scale = K ** -0.5 if scale is None else scale
     dtype, (q, k, v, g, eta), S = _upcast(q, k, v, g, eta, initial_state)
-    beta = kla_beta(k, eta, eps, kaczmarz)
+    beta = kla_beta(k, eta, eps, kaczmarz, rule)
     # pad T to a multiple of C: padded tokens have k = v = q = 0, g = 0, beta = 0 and change nothing
     pad, N = (-T) % C, (T + C - 1) // C
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, N, C, -1) for x in (q, k, v))
@@ -214,20 +238,24 @@ else:
 
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
-                     output_final_state=False, kaczmarz=True, chunk_size=64, cu_seqlens=None):
+                     output_final_state=False, kaczmarz=True, chunk_size=64, cu_seqlens=None, rule=None):
     """One entry point for the mixer: backend 'triton', 'chunkwise', 'recurrent', or 'auto' (Triton for
     CUDA tensors when it is installed). A single token with a carried state (decoding) takes the O(1) step; on the
     Triton path, without autograd, that step writes the new state into initial_state (and returns it).
-    cu_seqlens (N + 1,): packed sequences in a batch of 1, each from its own state (see kla_recurrent)."""
+    cu_seqlens (N + 1,): packed sequences in a batch of 1, each from its own state (see kla_recurrent).
+    rule: the step size (step_rule(rule, kaczmarz)); the kernels compute every rule but 'longhorn' ('auto'
+    takes the chunkwise path for it)."""
+    rule = step_rule(rule, kaczmarz)
     if backend == "auto":
-        backend = "triton" if q.is_cuda and kernel is not None else "chunkwise"
-    kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, kaczmarz=kaczmarz,
-              cu_seqlens=cu_seqlens)
+        backend = "triton" if q.is_cuda and kernel is not None and rule != "longhorn" else "chunkwise"
+    kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if backend == "triton":
-        return _triton_attention(q, k, v, g, eta, **kw)
+        if rule == "longhorn":
+            raise ValueError("the step rule 'longhorn' has no Triton kernel: use backend 'chunkwise' or 'recurrent'")
+        return _triton_attention(q, k, v, g, eta, kaczmarz=rule == "kaczmarz", **kw)  # the rest are beta = eta
     if backend == "recurrent" or q.shape[1] == 1:
-        return kla_recurrent(q, k, v, g, eta, **kw)
-    return kla_chunkwise(q, k, v, g, eta, chunk_size=chunk_size, **kw)
+        return kla_recurrent(q, k, v, g, eta, rule=rule, **kw)
+    return kla_chunkwise(q, k, v, g, eta, chunk_size=chunk_size, rule=rule, **kw)
 
 
 @torch.compiler.disable  # torch.compile fuses the layer around the kernel; the kernel runs as it is
@@ -286,6 +314,8 @@ class GPTConfig:
     n_head: int = 6
     n_embd: int = 768
     mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
+    step_rule: str = ""        # KLA / GDN's step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
+    decay: bool = True         # KLA / GDN's learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
     expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
     expand_v: float = 1.5      # value width of all heads / n_embd
     conv_size: int = 4         # short causal convolution on q, k, v
@@ -302,6 +332,12 @@ class GPTConfig:
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
             raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {self.mixer!r}")
+        if self.step_rule not in ("", *STEP_RULES) or (self.step_rule and self.mixer == "attn"):
+            raise ValueError(f"step_rule must be '' (the mixer's own) or, with mixer 'kla' or 'gdn', one of "
+                             f"{', '.join(STEP_RULES)}; got {self.step_rule!r} with mixer {self.mixer!r}")
+        if not isinstance(self.decay, bool) or (not self.decay and self.mixer == "attn"):
+            raise ValueError(f"decay must be True or False (False only with mixer 'kla' or 'gdn'); got {self.decay!r} "
+                             f"with mixer {self.mixer!r}")
         if not self.conv_size >= 2:
             raise ValueError(f"conv_size must be an integer >= 2 (the current token and one before it at least), "
                              f"got {self.conv_size!r}")
@@ -368,18 +404,22 @@ class ShortConv(nn.Module):
 
 
 class DeltaMixer(nn.Module):
-    """The KLA layer (mixer='kla'), or Gated DeltaNet's (mixer='gdn') with q, k normalised and beta = eta."""
+    """The KLA layer (mixer='kla'), or Gated DeltaNet's (mixer='gdn') with q, k normalised and beta = eta; with
+    config.step_rule any rule of STEP_RULES, and with config.decay False no decay."""
 
     def __init__(self, config):
         super().__init__()
         H, d = config.n_head, config.n_embd
-        self.n_head, self.kaczmarz, self.eps = H, config.mixer == "kla", config.kla_eps
+        self.n_head, self.eps, self.decay = H, config.kla_eps, config.decay
+        self.rule = config.step_rule or ("kaczmarz" if config.mixer == "kla" else "unit")
         self.chunk_size, self.backend = config.chunk_size, config.backend
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
         # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
         # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
-        # kernel wants them: no copies, nothing saved twice for the backward)
-        self.split = [H * self.dk, H * self.dk, H * self.dv, H * self.dv, H, H]  # q k v gate eta decay
+        # kernel wants them: no copies, nothing saved twice for the backward); no eta for the 'scalar' rule, no
+        # decay without it
+        self.split = [H * self.dk, H * self.dk, H * self.dv, H * self.dv, H * (self.rule != "scalar"),
+                      H * self.decay]  # q k v gate eta decay
         # padded with unused outputs to a multiple of 8 (rows of 16-byte multiples in bf16, as Hopper's TMA
         # GEMMs need): unpadded, 3468 outputs at GPT-2 small's size, cuBLAS ran an sm80 kernel at 240 TFLOP/s
         # in a 128K-token prefill (bench.py --section=prefill_profile)
@@ -388,11 +428,14 @@ class DeltaMixer(nn.Module):
         self.q_conv = ShortConv(H * self.dk, config.conv_size)
         self.k_conv = ShortConv(H * self.dk, config.conv_size)
         self.v_conv = ShortConv(H * self.dv, config.conv_size)
-        self.eta_bias = nn.Parameter(torch.zeros(H))  # eta = sigmoid(x W_eta + eta_bias)
-        # Mamba2 decay: g = -A softplus(x W_a + dt_bias), A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1]
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(0, 16).log())
-        dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        if self.rule == "scalar":
+            self.eta_logit = nn.Parameter(torch.zeros(H))  # eta = sigmoid(eta_logit), the same at every token
+        else:
+            self.eta_bias = nn.Parameter(torch.zeros(H))  # eta = sigmoid(x W_eta + eta_bias)
+        if self.decay:  # Mamba2 decay: g = -A softplus(x W_a + dt_bias), A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1]
+            self.A_log = nn.Parameter(torch.empty(H).uniform_(0, 16).log())
+            dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
 
@@ -411,14 +454,20 @@ class DeltaMixer(nn.Module):
         # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
         q = F.normalize(q.reshape(B, T, H, dk), dim=-1).to(v.dtype)
         k = k.reshape(B, T, H, dk)  # KLA: raw keys, that is the point
-        if not self.kaczmarz:
+        if self.rule == "unit":
             k = F.normalize(k, dim=-1).to(v.dtype)
         v = v.reshape(B, T, H, dv)
-        eta = torch.sigmoid(b.float() + self.eta_bias)  # (B, T, H)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if self.rule == "scalar":
+            eta = torch.sigmoid(self.eta_logit.float()).expand(B, T, H)
+        else:
+            eta = torch.sigmoid(b.float() + self.eta_bias)  # (B, T, H)
+        if self.decay:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        else:
+            g = eta.new_zeros(B, T, H)
         o, st["state"] = linear_attention(q, k, v, g, eta, backend=self.backend, eps=self.eps,
                                           initial_state=st.get("state"), output_final_state=cache is not None,
-                                          kaczmarz=self.kaczmarz, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+                                          rule=self.rule, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         o = self.o_norm(o.to(x.dtype)) * F.silu(gate.reshape(B, T, H, dv))
         return self.o_proj(o.reshape(B, T, H * dv))
 
@@ -430,7 +479,7 @@ def _decode_mixer(m, xp, st):
     return kernel_decode.kla_decode_mixer(
         xp[:, :sum(m.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight, m.k_conv.weight,
         m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight, st["state"], n_head=m.n_head, eps=m.eps,
-        norm_eps=m.o_norm.eps, kaczmarz=m.kaczmarz)
+        norm_eps=m.o_norm.eps, kaczmarz=m.rule == "kaczmarz")
 
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
@@ -561,9 +610,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counts once
 
     def set_backend(self, device_type):
-        """Choose the linear-attention path once for this device (see resolve_backend)."""
+        """Choose the linear-attention path once for this device (see resolve_backend); the step rule 'longhorn',
+        which no kernel computes, takes the chunkwise path instead of Triton."""
         backend = resolve_backend(self.config.backend, device_type)
         mixer = self.blocks[0].mixer
+        if backend == "triton" and isinstance(mixer, DeltaMixer) and mixer.rule == "longhorn":
+            print("step rule 'longhorn': no Triton kernel computes it, the PyTorch chunkwise path does (slower)")
+            backend = "chunkwise"
         if backend == "triton" and isinstance(mixer, DeltaMixer) and (mixer.dk > 128 or mixer.dv > 1024):
             raise ValueError(f"heads of d_k {mixer.dk}, d_v {mixer.dv}: the Triton kernel takes d_k <= 128 and d_v <= 1024; "
                              "use more heads, or backend='chunkwise'")
@@ -598,10 +651,12 @@ class GPT(nn.Module):
 
     def _decodes_fused(self, idx, cache):
         """Whether this call decodes one token through kernel_decode's kernels (GPTConfig.decode_fused): KLA or
-        GDN on the Triton backend, a cache that holds a state, no autograd."""
+        GDN on the Triton backend, a cache that holds a state, no autograd. The kernels make eta and the decay from
+        the layer's projections and beta from KLA's or GDN's rule: other rules and decay=False decode unfused."""
         return (cache is not None and idx.shape[1] == 1 and self.config.decode_fused and self.config.mixer != "attn"
                 and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled()
-                and not (self.training and self.config.dropout))  # the kernels apply no dropout
+                and not (self.training and self.config.dropout)  # the kernels apply no dropout
+                and self.blocks[0].mixer.rule in ("kaczmarz", "unit") and self.config.decay)
 
     def _decode_fused(self, idx, cache):
         """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,
@@ -633,7 +688,7 @@ class GPT(nn.Module):
                 x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
                 m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
                 m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
-                kaczmarz=m.kaczmarz)
+                kaczmarz=m.rule == "kaczmarz")
             h = kernel_decode.decode_linear(x, block.mlp.gate_up.weight, norm_weight=block.norm2.weight,
                                             norm_eps=block.norm2.eps)
             x = kernel_decode.decode_linear(h, block.mlp.down.weight, swiglu=True, residual=x)

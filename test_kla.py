@@ -661,7 +661,7 @@ def test_kla_keys_raw_gdn_keys_normalised():
     orig = model.linear_attention
 
     def spy(q, k, v, g, eta, **kw):
-        seen["q"], seen["k"], seen["kaczmarz"] = q, k, kw["kaczmarz"]
+        seen["q"], seen["k"], seen["kaczmarz"] = q, k, kw["rule"] == "kaczmarz"
         return orig(q, k, v, g, eta, **kw)
 
     model.linear_attention = spy
@@ -1918,3 +1918,193 @@ def test_not_a_checkpoint_gives_no_unsafe_advice(tmp_path):
     code, err = run_each("sample.py", [[f"--out_dir={tmp_path}", "--device=cpu"]])[0]
     assert code != 0 and "cannot load" in err and len(err.splitlines()) == 1, err
     assert "weights_only" not in err, err
+
+# -----------------------------------------------------------------------------
+# step-size rules: GPTConfig.step_rule and decay, the ablation of KLA's step size (model.STEP_RULES)
+
+
+def hand_beta(rule, k, eta, eps=1e-6):
+    """Each rule's beta written out, one (b, t, h) at a time in Python floats."""
+    beta = torch.empty_like(eta)
+    for i in np.ndindex(*eta.shape):
+        r2, e = sum(x * x for x in k[i].tolist()), eta[i].item()
+        beta[i] = e / (r2 + eps) if rule == "kaczmarz" else e / (1 + e * r2) if rule == "longhorn" else e
+    return beta
+
+
+@pytest.mark.parametrize("rule", model.STEP_RULES)
+def test_step_rule_beta_is_its_formula(rule):
+    """kla_beta of each rule against its formula; rule overrides kaczmarz, and without a rule kaczmarz picks
+    KLA's or GDN's (the calls that predate the rules)."""
+    _, k, _, _, eta, _ = make_inputs(B=2, T=5, H=3, K=4, norm_range=(-1, 1))
+    want = hand_beta(rule, k, eta)
+    assert rel_err(model.kla_beta(k, eta, 1e-6, rule=rule), want) < 1e-14
+    assert rel_err(model.kla_beta(k, eta, 1e-6, kaczmarz=rule != "kaczmarz", rule=rule), want) < 1e-14
+    assert rel_err(model.kla_beta(k, eta, 1e-6, kaczmarz=rule == "kaczmarz"), hand_beta(
+        "kaczmarz" if rule == "kaczmarz" else "unit", k, eta)) < 1e-14
+
+
+@pytest.mark.parametrize("decay", [True, False])
+@pytest.mark.parametrize("rule", model.STEP_RULES)
+def test_step_rules_recurrent_equals_chunkwise_float64(rule, decay):
+    """Every rule with and without the decay (keys of norm 1 for 'unit', one eta per head for 'scalar', g = 0
+    without decay): the two references agree in float64 on the output, the final state and every gradient,
+    and the recurrence is the delta rule run with the hand-written beta."""
+    q, k, v, g, eta, h0 = make_inputs(T=37, norm_range=(-0.5, 0.1))
+    if rule == "unit":
+        k = F.normalize(k, dim=-1)
+    if rule == "scalar":
+        eta = eta[:1, :1].expand_as(eta)
+    if not decay:
+        g = torch.zeros_like(g)
+    inputs = [q, k, v, g, eta, h0]
+    rec = outputs_and_grads(kla_recurrent, inputs, rule=rule)
+    chunk = outputs_and_grads(kla_chunkwise, inputs, rule=rule, chunk_size=16)
+    for name, a, b in zip(NAMES, chunk, rec):
+        assert rel_err(a, b) < 1e-10, name
+    o, S = kla_recurrent(q, k, v, g, hand_beta(rule, k, eta), initial_state=h0, output_final_state=True,
+                         kaczmarz=False)
+    assert rel_err(rec[0], o) < 1e-12 and rel_err(rec[1], S) < 1e-12
+
+
+STEP_MODELS = [dict(step_rule=rule) for rule in model.STEP_RULES] + [dict(decay=False),
+                                                                     dict(step_rule="unit", decay=False)]
+
+
+@pytest.mark.parametrize("kw", STEP_MODELS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_each_step_rule_trains(kw, monkeypatch):
+    """A tiny GPT of each rule, and without the decay (DeltaNet with 'unit'), trains on the CPU: finite losses
+    that fall, a finite gradient in every parameter; the layer has only the parameters its rule uses and gives
+    linear_attention its rule, unit keys for 'unit' only, one eta per head for 'scalar' only, g = 0 without decay."""
+    rule, decay = kw.get("step_rule", "kaczmarz"), kw.get("decay", True)
+    seen, attention = {}, model.linear_attention
+
+    def spy(q, k, v, g, eta, **kw2):
+        seen.update(k=k, g=g, eta=eta, rule=kw2["rule"])
+        return attention(q, k, v, g, eta, **kw2)
+    monkeypatch.setattr(model, "linear_attention", spy)
+    torch.manual_seed(0)
+    m = GPT(tiny_config("kla", **kw))
+    own = {name for name, _ in m.blocks[0].mixer.named_parameters() if "." not in name}
+    assert own == ({"A_log", "dt_bias"} if decay else set()) | {"eta_logit" if rule == "scalar" else "eta_bias"}
+    opt = m.configure_optimizers(0.0, 3e-3, (0.9, 0.95), "cpu")
+    idx = torch.arange(33).repeat(4, 1) % 11
+    losses = []
+    for _ in range(3):
+        _, loss = m(idx[:, :-1], targets=idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert seen["rule"] == rule
+    assert torch.allclose(seen["k"].norm(dim=-1), torch.ones(()), atol=1e-5) == (rule == "unit")
+    assert bool((seen["eta"] == seen["eta"][:1, :1]).all()) == (rule == "scalar")
+    assert bool((seen["g"] == 0).all()) == (not decay)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("kw", [dict(step_rule="longhorn"), dict(step_rule="scalar"), dict(step_rule="raw"),
+                                dict(decay=False)], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatch):
+    """kernel_decode's kernels make eta and the decay from the layer's projections and beta by KLA's or GDN's rule
+    (as KLA's model does, the control): a model of another rule or without the decay decodes on the Triton backend
+    through its layers, no fused kernel runs, and its greedy tokens are the argmax of its own full forward."""
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 61, (batch, 9))
+    for cfg, fused in ((kw, False), ({}, True)):
+        m = GPT(tiny_config("kla", backend="triton", **cfg)).eval()
+        m.set_backend("cpu")
+        cache = m.new_cache()
+        with torch.no_grad():
+            m(prompt, cache=cache)
+            assert m._decodes_fused(prompt[:, :1], cache) == fused, cfg
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fused decoding kernel ran")
+    for name in ("kla_decode_mixer", "kla_decode_mixer_split", "decode_linear"):
+        monkeypatch.setattr(kernel_decode, name, refuse)
+    m = GPT(tiny_config("kla", backend="triton", **kw)).eval()
+    m.set_backend("cpu")
+    out = m.generate(prompt, 6, temperature=0)
+    with torch.no_grad():
+        logits, _ = m(out[:, :-1], targets=out[:, 1:])
+    assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])
+
+
+def test_longhorn_on_triton_takes_the_pytorch_path_with_one_notice(capsys):
+    m = GPT(tiny_config("kla", backend="triton", step_rule="longhorn"))
+    assert m.set_backend("cpu") == "chunkwise" and all(block.mixer.backend == "chunkwise" for block in m.blocks)
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1 and "'longhorn'" in out and "chunkwise" in out, out
+    m(torch.randint(0, 61, (2, 20)))
+    assert capsys.readouterr().out == ""  # not per call
+    with pytest.raises(ValueError, match="'longhorn' has no Triton kernel"):
+        model.linear_attention(*make_inputs(T=5)[:5], backend="triton", rule="longhorn")
+
+
+def test_step_rule_errors_name_the_value(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("one of kaczmarz, unit, raw, scalar, longhorn; got 'sgd' with mixer 'kla'")):
+        GPTConfig(step_rule="sgd")
+    with pytest.raises(ValueError, match="step_rule must be .*got 'raw' with mixer 'attn'"):
+        GPTConfig(mixer="attn", step_rule="raw")
+    with pytest.raises(ValueError, match="decay must be True or False .*got False with mixer 'attn'"):
+        GPTConfig(mixer="attn", decay=False)
+    for fn in (kla_recurrent, kla_chunkwise, model.linear_attention):
+        with pytest.raises(ValueError, match="rule must be one of kaczmarz, .*, got 'sgd'"):
+            fn(*make_inputs(T=3)[:5], rule="sgd")
+    cases = [("--step_rule=sgd", "step_rule = 'sgd': must be '' (the mixer's own) or"),
+             ("--decay=maybe", "decay must be of type bool")]
+    assert_each_is_one_line("train.py", cases, *TINY, f"--out_dir={tmp_path}")
+    cases = [("--step_rule=raw", "step_rule = 'raw': must be"), ("--decay=False", "decay = False: must be True with --mixer=attn")]
+    assert_each_is_one_line("train.py", cases, *TINY, "--mixer=attn", f"--out_dir={tmp_path}")
+
+
+def test_checkpoint_without_the_step_rule_fields_loads_and_resumes(tiny_data, tmp_path):
+    """model_args without step_rule and decay (a checkpoint saved before they existed) is KLA with its decay:
+    GPT.from_checkpoint builds it, train.py resumes it, and refuses to resume it as another rule."""
+    out = str(tmp_path / "out")
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_interval=2", "--always_save_checkpoint=True"]
+    p = run("train.py", *args, "--max_iters=2")
+    assert p.returncode == 0, p.stderr
+    path = os.path.join(out, "ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["model_args"].pop("step_rule") == "" and ckpt["model_args"].pop("decay") is True
+    torch.save(ckpt, path)
+    m = GPT.from_checkpoint(model.read_checkpoint(path))
+    assert m.blocks[0].mixer.rule == "kaczmarz" and m.config.decay
+    p = run("train.py", *args, "--max_iters=4", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    p = run("train.py", *args, "--max_iters=6", "--init_from=resume", "--step_rule=raw")
+    assert_clean_error(p, "step_rule='' (this run: 'raw')")
+
+
+def test_experiments_step_rule_ablation(tmp_path):
+    """--step_rules: a run per rule of the one mixer, named <task>-<rule>-<seed>, with its train.py flags
+    ('deltanet': the rule 'unit' without the decay); the collected table carries each run's rule."""
+    code = ("import json, sys; sys.argv = ['experiments.py', '--tasks=mqar_small', '--mixers=kla', "
+            "'--step_rules=raw,deltanet', '--seeds=1,2', '--root=R']; import experiments; "
+            "print(json.dumps(list(experiments.runs())))")
+    p = run("-c", code)
+    assert p.returncode == 0, p.stderr
+    raw, deltanet = ["--mixer=kla", "--step_rule=raw"], ["--mixer=kla", "--step_rule=unit", "--decay=False"]
+    assert json.loads(p.stdout.splitlines()[-1]) == [
+        ["mqar_small", raw, 1, "R/mqar_small-raw-1"], ["mqar_small", raw, 2, "R/mqar_small-raw-2"],
+        ["mqar_small", deltanet, 1, "R/mqar_small-deltanet-1"], ["mqar_small", deltanet, 2, "R/mqar_small-deltanet-2"]]
+    for args, phrase in ((["--mixers=kla,gdn", "--step_rules=raw"], "--mixers=kla or gdn, got 'kla,gdn'"),
+                         (["--mixers=kla", "--step_rules=sgd"], "unknown step rule 'sgd'")):
+        p = run("-c", f"import sys; sys.argv = ['experiments.py', *{args!r}]; import experiments; list(experiments.runs())")
+        assert p.returncode != 0 and phrase in p.stderr, p.stderr
+    root = tmp_path / "exp"
+    for name, acc in (("mqar_small-kla-1", 0.5), ("mqar_small-raw-1", 0.25), ("mqar_small-deltanet-1", 0.75)):
+        (root / name).mkdir(parents=True)
+        (root / name / "eval.json").write_text(json.dumps(
+            {"mixer": "kla", "seed": 1, "iter_num": 4, "results": [{"length": 128, "accuracy": acc}]}))
+        (root / name / "log.jsonl").write_text(json.dumps({"iter": 4, "val_loss": 1.0}) + "\n")
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={tmp_path / 'res'}")
+    assert p.returncode == 0, p.stderr
+    rows = list(csv.DictReader(open(tmp_path / "res" / "mqar_small.csv")))
+    assert [(r["mixer"], r["step_rule"], r["accuracy@128"]) for r in rows] == [
+        ("kla", "", "0.5000"), ("kla", "deltanet", "0.7500"), ("kla", "raw", "0.2500")]
+    assert all(row in p.stdout for row in ("| kla | 1 | 50.00 |", "| raw | 1 | 25.00 |", "| deltanet | 1 | 75.00 |"))

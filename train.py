@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, GPTConfig, doc_seqlens, read_checkpoint
+from model import GPT, GPTConfig, STEP_RULES, doc_seqlens, read_checkpoint
 
 # -----------------------------------------------------------------------------
 # default config values: a KLA model on shakespeare_char, sized for the device found (also when --device
@@ -68,6 +68,9 @@ n_layer = 6 if _gpu else 4
 n_head = 6 if _gpu else 4
 n_embd = 384 if _gpu else 128
 mixer = "kla"  # 'kla' | 'gdn' | 'attn'
+step_rule = ""  # KLA / GDN's step size: 'kaczmarz', 'unit', 'raw', 'scalar', 'longhorn' (model.STEP_RULES);
+                #  '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
+decay = True  # KLA / GDN's learned decay of the state; False: none (step_rule 'unit' without decay is DeltaNet)
 dropout = 0.2 if _gpu else 0.0  # on the embeddings and each residual branch; may change when resuming
 expand_k = 0.75
 expand_v = 1.5
@@ -122,6 +125,9 @@ check("n_layer", n_layer >= 1, ">= 1")
 check("n_head", n_head >= 1, ">= 1")
 check("n_embd", n_embd >= 1, ">= 1")
 check("mixer", mixer in ("kla", "gdn", "attn"), "'kla', 'gdn' or 'attn'")
+check("step_rule", step_rule in ("", *STEP_RULES) and not (step_rule and mixer == "attn"),
+      f"'' (the mixer's own) or, with --mixer=kla or gdn, one of {', '.join(STEP_RULES)}")
+check("decay", decay or mixer != "attn", "True with --mixer=attn (attention has no decay to turn off)")
 check("expand_k", 0 < expand_k < math.inf, "a finite number > 0")
 check("expand_v", 0 < expand_v < math.inf, "a finite number > 0")
 check("conv_size", conv_size >= 2, ">= 2 (the current token and at least one before it)")
@@ -147,8 +153,8 @@ lr_decay_iters = lr_decay_iters or max_iters
 config = {k: globals()[k] for k in config_keys}  # the resolved config, saved in checkpoints
 # the model's own checks (e.g. n_embd divisible by n_head); the vocabulary comes from the data, below
 model_args = dict(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mixer=mixer,
-                  expand_k=expand_k, expand_v=expand_v, conv_size=conv_size, mlp_hidden=mlp_hidden,
-                  chunk_size=chunk_size, backend=backend, dropout=dropout)
+                  step_rule=step_rule, decay=decay, expand_k=expand_k, expand_v=expand_v, conv_size=conv_size,
+                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend, dropout=dropout)
 try:
     GPTConfig(**model_args)
 except ValueError as err:
@@ -272,9 +278,11 @@ if init_from == "resume":
         checkpoint = read_checkpoint(ckpt_path)  # on the CPU (RNG states there; weights moved below)
     except ValueError as err:
         fail(str(err))
-    # the backend is how the mixer is computed, not what it computes: it may change between runs
-    differ = [f"{k}={checkpoint['model_args'].get(k)!r} (this run: {v!r})" for k, v in model_args.items()
-              if k not in ("backend", "dropout") and checkpoint["model_args"].get(k) != v]
+    # the backend is how the mixer is computed, not what it computes: it may change between runs; a field the
+    # checkpoint lacks (saved before the field existed) has its default
+    saved = {k: checkpoint["model_args"].get(k, getattr(GPTConfig, k, None)) for k in model_args}
+    differ = [f"{k}={saved[k]!r} (this run: {v!r})" for k, v in model_args.items()
+              if k not in ("backend", "dropout") and saved[k] != v]
     if differ:
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -296,7 +304,8 @@ try:
 except (ValueError, RuntimeError) as err:
     fail(str(err))
 if master_process:
-    print(f"{gptconf.mixer} model, {model.get_num_params() / 1e6:.2f}M parameters, backend {backend_used}, "
+    print(f"{gptconf.mixer} model{f', step rule {step_rule}' if step_rule else ''}{'' if decay else ', no decay'}, "
+          f"{model.get_num_params() / 1e6:.2f}M parameters, backend {backend_used}, "
           f"device {device}, dtype {dtype}")
 
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bf16 does not
