@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -328,6 +329,8 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
+    recompute: bool = False    # training: each block's mixer branch recomputed in the backward instead of its
+                               # activations kept (torch.utils.checkpoint): less memory, one more mixer forward
 
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
@@ -380,7 +383,8 @@ class ShortConv(nn.Module):
     """Depthwise causal convolution + SiLU over (B, T, C), written as a sum of shifted products: on a
     GPU that is a few elementwise passes, where a grouped nn.Conv1d's weight gradient can be slow.
     The last size - 1 inputs are the decoding state. With cu_seqlens (packed documents, B = 1) the window
-    starts afresh at each document: an input shifted by s is left out where the position in the document is < s."""
+    starts afresh at each document: an input shifted by s is left out where the position in the document is < s;
+    the state is then each document's own last size - 1 inputs (N, size - 1, C), zeros before its start."""
 
     def __init__(self, dim, size):
         super().__init__()
@@ -400,7 +404,11 @@ class ShortConv(nn.Module):
             if pos is not None and i < size - 1:
                 term = term.masked_fill(pos < size - 1 - i, 0)
             y = term if y is None else y + term
-        return F.silu(y), x[:, T:]
+        if cu_seqlens is None:
+            return F.silu(y), x[:, T:]
+        at = cu_seqlens[1:, None].long() + torch.arange(size - 1, device=x.device)  # rows of x: each document's last inputs
+        tails = x[0, at].masked_fill((at - (size - 1) < cu_seqlens[:-1, None])[..., None], 0)
+        return F.silu(y), tails
 
 
 class DeltaMixer(nn.Module):
@@ -441,7 +449,8 @@ class DeltaMixer(nn.Module):
 
     def forward(self, x, cache=None, cu_seqlens=None):
         """x (B, T, C); cache: this layer's decoding state, read and updated in place; cu_seqlens: packed
-        documents in a batch of 1 (without a cache), the state and the convolutions reset at each."""
+        documents in a batch of 1, the state and the convolutions reset at each (with an empty cache: it is left
+        holding each document's own state, a batch of N)."""
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
@@ -578,9 +587,16 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
+        self.recompute = config.recompute
+
+    def mix(self, x, cache=None, cu_seqlens=None):
+        return self.drop(self.mixer(self.norm1(x), cache, cu_seqlens))
 
     def forward(self, x, cache=None, cu_seqlens=None):
-        x = x + self.drop(self.mixer(self.norm1(x), cache, cu_seqlens))
+        if self.recompute and cache is None and torch.is_grad_enabled():  # the same dropout mask when recomputed
+            x = x + torch.utils.checkpoint.checkpoint(self.mix, x, None, cu_seqlens, use_reentrant=False)
+        else:
+            x = x + self.mix(x, cache, cu_seqlens)
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -630,12 +646,16 @@ class GPT(nn.Module):
         are ignored). Without: logits at the last position only. cache: a list of one dict per layer,
         read and updated in place, so that a later call continues the sequence (see new_cache).
         cu_seqlens (N + 1,): idx (1, T) holds N documents packed (see doc_seqlens), each read as if alone:
-        the states and convolutions of KLA / GDN reset at each, attention stays within each."""
+        the states and convolutions of KLA / GDN reset at each, attention stays within each. With an empty cache
+        as well (KLA / GDN): N prompts of different lengths read at once (prefill), the cache then holds a batch of
+        N (each prompt's state and convolution inputs) and the logits are those of each prompt's last token (N, 1, vocab)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError("cu_seqlens is for a forward pass over packed documents, not with a cache")
+            if cache is not None and (self.config.mixer == "attn" or any(cache)):
+                raise ValueError("cu_seqlens with a cache reads packed prompts into an empty cache, for KLA / GDN "
+                                 f"only; got mixer {self.config.mixer!r} and a cache that "
+                                 f"{'holds a state' if any(cache) else 'is empty'}")
             check_cu_seqlens(cu_seqlens, idx)
         if targets is None and self._decodes_fused(idx, cache):
             return self._decode_fused(idx, cache), None
@@ -644,7 +664,8 @@ class GPT(nn.Module):
             x = block(x, None if cache is None else cache[i], cu_seqlens)
         x = self.norm_f(x)
         if targets is None:
-            return self.lm_head(x[:, -1:, :]), None
+            last = x[:, -1:, :] if cu_seqlens is None else x[0, cu_seqlens[1:].long() - 1, None]  # (B or N, 1, C)
+            return self.lm_head(last), None
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
@@ -744,10 +765,14 @@ class GPT(nn.Module):
         path, in segments of prefill_chunk tokens for KLA / GDN (the state carried across them, so that
         memory does not grow with the prompt); every later token costs O(1) from the carried state
         (attention: its KV cache). cuda_graph: replay each decoding step from a CUDA graph (KLA / GDN on
-        CUDA), without per-kernel launch costs."""
+        CUDA), without per-kernel launch costs. idx may also be a list of N 1-D prompts of different lengths
+        (KLA / GDN): they are read in one pass, packed (cu_seqlens), then decoded together as a batch of N."""
         cache = self.new_cache()
-        logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk)
-        step = self.decode_step(cache, idx.shape[0], cuda_graph) if max_new_tokens > 1 else None
+        if isinstance(idx, (list, tuple)):
+            logits = self.prefill_packed(idx, cache)
+        else:
+            logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk)
+        step = self.decode_step(cache, logits.shape[0], cuda_graph) if max_new_tokens > 1 else None
         for i in range(max_new_tokens):
             logits = logits[:, -1, :].float()
             if temperature == 0:
@@ -769,6 +794,20 @@ class GPT(nn.Module):
         for s in range(0, idx.shape[1], segment):
             logits, _ = self(idx[:, s:s + segment], cache=cache)
         return logits
+
+    @torch.no_grad()
+    def prefill_packed(self, prompts, cache):
+        """Read N 1-D prompts of any lengths into the empty cache in one pass (packed, each from a fresh state):
+        the cache then holds a batch of N. The logits of each prompt's last token (N, 1, vocab)."""
+        if self.config.mixer == "attn":
+            raise ValueError("prompts of different lengths are read packed by KLA / GDN only; for attention pad "
+                             "them to one length (B, T)")
+        if not prompts or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
+            raise ValueError(f"prompts must be a non-empty list of non-empty 1-D token tensors, got "
+                             f"{[tuple(p.shape) if torch.is_tensor(p) else type(p).__name__ for p in prompts]}")
+        lens = torch.tensor([0] + [len(p) for p in prompts])
+        cu_seqlens = lens.cumsum(0).to(device=prompts[0].device, dtype=torch.int32)
+        return self(torch.cat(prompts)[None], cache=cache, cu_seqlens=cu_seqlens)[0]
 
     def decode_step(self, cache, batch, cuda_graph=False):
         """A function token (B, 1) -> logits (B, 1, vocab) that advances cache by one token. With
