@@ -1,10 +1,13 @@
 """
 Evaluate a trained model (train.py's out_dir/ckpt.pt) at and beyond its training length.
 
-Synthetic recall (datasets mqar and sniah): accuracy at the query positions, the argmax over the whole
-vocabulary against the value, on every test set prepare_data.py wrote (1x, 2x, 4x, 8x the training length).
-Language modelling: validation loss at several multiples of the training context, on random windows of
-the validation split (the same windows for every model, by seed).
+Synthetic tasks (mqar, sniah, stack, palindrome): accuracy at the scored positions (MQAR's queries, the
+stack's popped values, the palindrome's reversed half), the argmax over the whole vocabulary against the label,
+on every test set prepare_data.py wrote (e.g. 1x, 2x, 4x, 8x the training length).
+Language modelling: the loss on the held-out test split, and beside it on the validation split (which chose
+the learning rate and the checkpoint), at several multiples of the training context, on random windows of
+each split (the same windows for every model, by seed). A dataset without a test split, or split otherwise
+than the data the model was trained on, is refused: its test documents may have been trained on.
 
 Sequences are read in segments of the training context with the state carried across them (the recurrent
 state of KLA / GDN; attention's KV cache), which computes exactly what one pass over the whole sequence
@@ -80,6 +83,25 @@ if documents:  # the end-of-text token of the data read here
         fail(f"documents=True needs the end-of-text token that ends each document, and {data_path}/meta.json names "
              f"none: prepare the data again (python prepare_data.py --dataset={config['dataset']}); "
              "shakespeare_char and the synthetic tasks have none")
+if "test_lengths" not in meta:  # language modelling: the numbers reported come from the test split
+    if not os.path.exists(os.path.join(data_path, "test.bin")):
+        fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py "
+             f"--dataset={config['dataset']}), which splits it by document into train, val and test, then train again")
+    if "test_tokens" not in meta:
+        fail(f"{ckpt_path} was trained on data without a test split, whose training split may hold the test "
+             "documents: train it again on the data as prepare_data.py splits it")
+    try:
+        with open(os.path.join(data_path, "meta.json")) as f:
+            data_meta = json.load(f)
+        there = [data_meta[f"{split}_tokens"] for split in ("train", "val", "test")]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        fail(f"{data_path}/meta.json is missing or damaged ({type(err).__name__}: {err}); prepare the data again "
+             f"(python prepare_data.py --dataset={config['dataset']})")
+    trained_on = [meta[f"{split}_tokens"] for split in ("train", "val", "test")]
+    if there != trained_on:
+        fail(f"{data_path} is not split as the data {ckpt_path} was trained on (train / val / test tokens "
+             f"{' / '.join(map(str, there))} against {' / '.join(map(str, trained_on))}): evaluate it on that data "
+             "(--data_dir)")
 
 
 def read(name, dtype, length):
@@ -129,10 +151,11 @@ def recall_accuracy(length):
     return {"length": length, "accuracy": correct / total, "queries": total, "examples": n}
 
 
-def lm_loss(length):
-    data = read("val.bin", np.dtype(meta["dtype"]), 0)
+def lm_loss(split, length):
+    """The mean loss on eval_batches batches of random windows of split, and the number of tokens predicted."""
+    data = read(f"{split}.bin", np.dtype(meta["dtype"]), 0)
     if len(data) <= length:
-        fail(f"the validation split holds {len(data)} tokens, too few for windows of {length}")
+        fail(f"the {split} split holds {len(data)} tokens, too few for windows of {length}")
     rng = np.random.default_rng(seed)
     total = count = 0
     for _ in range(eval_batches):
@@ -141,20 +164,26 @@ def lm_loss(length):
         for logits, Y in (packed if documents else segments)(batch[:, :-1], batch[:, 1:]):
             total += F.cross_entropy(logits.flatten(0, 1), Y.flatten(), ignore_index=-1, reduction="sum").item()
             count += (Y != -1).sum().item()
-    return {"length": length, "loss": total / count, "tokens": count}
+    return total / count, count
+
+
+def lm_losses(length):
+    (test_loss, tokens), (val_loss, _) = lm_loss("test", length), lm_loss("val", length)
+    return {"length": length, "test_loss": test_loss, "val_loss": val_loss, "tokens": tokens}
 
 
 if "test_lengths" in meta:
     results = [recall_accuracy(length) for length in meta["test_lengths"]]
-    column = "accuracy"
+    columns = ["accuracy"]
 else:
-    results = [lm_loss(int(f) * block_size) for f in factors.split(",")]
-    column = "loss"
+    results = [lm_losses(int(f) * block_size) for f in factors.split(",")]
+    columns = ["test_loss", "val_loss"]
 name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained at {block_size} tokens" \
     + (", read as documents" if documents else "")
-print(f"{name}\n\n| length | x train | {column} |\n|---|---|---|")
+print(f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c in columns)} |\n|---|---|"
+      + "---|" * len(columns))
 for r in results:
-    print(f"| {r['length']} | {r['length'] / block_size:g} | {r[column]:.4f} |")
+    print(f"| {r['length']} | {r['length'] / block_size:g} | " + " | ".join(f"{r[c]:.4f}" for c in columns) + " |")
 try:
     with open(os.path.join(out_dir, "eval.json"), "w") as f:
         json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],

@@ -10,8 +10,13 @@ $ python experiments.py --tasks=lm,mqar --mixers=kla --step_rules=kaczmarz,unit,
 Tasks (their config file holds every hyper-parameter; flags after --train_args override them for all runs):
   mqar   config/mqar.py: MQAR, 256 tokens, 32 pairs, vocab 8192; accuracy at 1x, 2x, 4x, 8x
   sniah  config/sniah.py: MQAR with one pair, trained at 1024; accuracy at 1024 .. 8192
-  lm     config/python_stdlib.py: GPT-2 BPE over the Python standard library; val loss at 1x .. 16x
-  mqar_small  config/mqar_small.py: a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256), to check the pipeline
+  stack  config/stack.py: PUSH id val / POP id ? over 64 stacks, vocab 128, trained at 1024; accuracy at the
+         popped values at 256 .. 2048
+  palindrome  config/palindrome.py: src SEP reverse(src), vocab 128, trained at 1024; accuracy on the reversed
+         half at 256 .. 2048
+  lm     config/python_stdlib.py: GPT-2 BPE over the Python standard library, split by file; test loss (and
+         val loss, which chose the rates) at 1x .. 16x
+  mqar_small, stack_small, palindrome_small  config/<task>.py: CPU-sized versions, to check the pipeline
 --step_rules: the layer of the one mixer in --mixers with each step-size rule in turn (train.py --step_rule, model.py's
 STEP_RULES; 'deltanet' is the rule 'unit' with --decay=False), a run each named <task>-<rule>-<seed>.
 Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
@@ -33,8 +38,12 @@ import time
 
 TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
          "sniah": ("config/sniah.py", "sniah", "accuracy"),
-         "lm": ("config/python_stdlib.py", "python_stdlib", "loss"),
-         "mqar_small": ("config/mqar_small.py", "mqar_small", "accuracy")}
+         "stack": ("config/stack.py", "stack", "accuracy"),
+         "palindrome": ("config/palindrome.py", "palindrome", "accuracy"),
+         "lm": ("config/python_stdlib.py", "python_stdlib", "test_loss"),  # val_loss@<length> beside it
+         "mqar_small": ("config/mqar_small.py", "mqar_small", "accuracy"),
+         "stack_small": ("config/stack_small.py", "stack_small", "accuracy"),
+         "palindrome_small": ("config/palindrome_small.py", "palindrome_small", "accuracy")}
 # the paper's MQAR / S-NIAH accuracies (%), KLA.md, for the plots and tables
 PAPER = {"mqar": {"kla": [98.35, 98.16, 95.64, 73.84], "gdn": [98.74, 98.36, 94.31, 66.81]},
          "sniah": {"kla": [100.0, 100.0, 100.0, 100.0]}}
@@ -53,7 +62,7 @@ deadline = 0  # seconds; 0: let every run finish
 root = "out-exp"
 results_dir = ""  # where <task>.csv and <task>.png go; "": results/<task>/
 data_dir = "data"  # where the datasets are (prepared there first if missing)
-n_train = 0  # MQAR / S-NIAH: training examples when the data is prepared here (0: the authors' 20,000)
+n_train = 0  # the synthetic tasks: training examples when the data is prepared here (0: the authors' 20,000)
 train_args = ""  # extra train.py flags for every run, e.g. "--max_iters=500"
 eval_stopped = True  # evaluate the runs --deadline stopped (their best checkpoint so far); False: leave them
 #                      unevaluated, so that the next call with the same --root resumes them
@@ -169,7 +178,11 @@ def collect_results():
                    "seed": str(ev["seed"]), "best_iter": ev["iter_num"],
                    "last_iter": last, "best_val_loss": f"{min(vals):.4f}" if vals else "",
                    "tok_s": f"{tok_s[len(tok_s) // 2]:.0f}" if tok_s else ""}
-            row.update({f"{column}@{r['length']}": f"{r[column]:.4f}" for r in ev["results"]})
+            if any(column not in r for r in ev["results"]):
+                print(f"skipped {name}: its eval.json has no {column} (evaluated on data without a test split?)")
+                continue
+            row.update({f"{c}@{r['length']}": f"{r[c]:.4f}" for r in ev["results"]
+                        for c in (column, "val_loss") if c in r})  # the lm task's val_loss beside its test_loss
             rows[(row["mixer"], row["step_rule"], row["seed"])] = row
         if not rows:
             continue
@@ -230,9 +243,12 @@ def plot(task, column, rows, out):
                     label=f"{mixer}, paper")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("accuracy (%)" if column == "accuracy" else "validation loss (nats/token)")
+    ax.set_ylabel("accuracy (%)" if column == "accuracy" else "test loss (nats/token)")
     ax.set_title({"mqar": "MQAR (trained at 256)", "sniah": "S-NIAH proxy (trained at 1024)",
-                  "lm": "Python stdlib LM (trained at 512)", "mqar_small": "small MQAR on a CPU (trained at 128)"}[task])
+                  "stack": "Stack (trained at 1024)", "palindrome": "Palindrome (trained at 1024)",
+                  "lm": "Python stdlib LM (trained at 512)", "mqar_small": "small MQAR on a CPU (trained at 128)",
+                  "stack_small": "small stack on a CPU (trained at 128)",
+                  "palindrome_small": "small palindrome on a CPU (trained at 64)"}[task])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

