@@ -479,8 +479,10 @@ def section_train(device, smoke):
                 if model is None:
                     model, opt = train_model(mixer, max(T for _, T in shapes), device, compiled)
                 step = train_step_fn(model, opt, batch, T, device)
-                budget = mixer.partition(":budget=")[2]
-                torch._functorch.config.activation_memory_budget = float(budget) if budget else 1.0
+                budget = float(mixer.partition(":budget=")[2] or 1.0)
+                if budget != torch._functorch.config.activation_memory_budget:
+                    torch._dynamo.reset()  # compiled code is not recompiled when only this setting changes
+                    torch._functorch.config.activation_memory_budget = budget
                 t0 = time.perf_counter()
                 try:
                     step()  # compiles

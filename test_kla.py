@@ -458,6 +458,28 @@ def test_dropout_only_in_training(mixer):
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+def test_recompute_same_gradients_less_memory(mixer):
+    """recompute=True: the same loss and gradients (dropout included: the recomputed branch draws the same mask),
+    and fewer bytes kept for the backward than without."""
+    cfg = dict(dropout=0.1, chunk_size=8)
+    plain, ckpt = GPT(tiny_config(mixer, **cfg)), GPT(tiny_config(mixer, recompute=True, **cfg))
+    ckpt.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 61, (2, 40))
+    grads, kept = [], []
+    for m in (plain, ckpt):
+        weights, nbytes = {p.data_ptr() for p in m.parameters()}, []
+        keep = lambda t: nbytes.append(0 if t.data_ptr() in weights else t.nbytes) or t  # activations only
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            torch.manual_seed(5)
+            loss = m(idx, idx)[1]
+        grads.append([loss.detach(), *torch.autograd.grad(loss, list(m.parameters()))])
+        kept.append(sum(nbytes))
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-6
+    assert kept[1] < 0.8 * kept[0], kept  # the mixer branches keep only their inputs
+
+
+@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
 def test_generation_matches_full_forward(mixer):
     """Prefill, a few tokens at once, then one token at a time from the carried state gives the full
     forward's logits (attention: past its first buffer of prompt + 256 keys, so that the cache grows)."""
@@ -520,6 +542,38 @@ def test_in_place_decoding_step(mixer):
     assert torch.equal(plain, in_place)
     with pytest.raises(ValueError, match="fixed-size state"):
         list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
+
+
+@pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("gdn", "chunkwise"), ("kla", "recurrent"),
+                                           ("kla", "triton")])
+def test_packed_prompts_decode_as_each_alone(mixer, backend):
+    """Prompts of different lengths (1 token, shorter than the convolution, several chunks) read in one packed
+    pass, then decoded as one batch: each prompt's greedy tokens and last logits as when it is decoded alone,
+    and the cache holds one state and one convolution window per prompt (fp32; 'triton' in the interpreter)."""
+    torch.manual_seed(3)
+    m = GPT(tiny_config(mixer, backend=backend, chunk_size=8)).eval()
+    prompts = [torch.randint(0, 61, (n,)) for n in (1, 2, 37, 9)]
+    packed = torch.cat(list(m.stream(prompts, 10, temperature=0)), 1)  # (4, 10)
+    for p, row in zip(prompts, packed):
+        assert torch.equal(torch.cat(list(m.stream(p[None], 10, temperature=0)), 1)[0], row)
+    cache = m.new_cache()
+    logits = m.prefill_packed(prompts, cache)
+    with torch.no_grad():
+        alone = torch.cat([m(p[None])[0] for p in prompts])
+    assert logits.shape == (4, 1, 61) and rel_err(logits, alone) < 1e-5
+    with torch.no_grad():
+        for n, p in enumerate(prompts):  # every layer's state and convolution windows: those of the prompt alone
+            own = m.new_cache()
+            m(p[None], cache=own)
+            for st, st1 in zip(cache, own):
+                for name in ("state", "q_conv", "k_conv", "v_conv"):
+                    assert st[name].shape[0] == 4 and rel_err(st[name][n], st1[name][0]) < 1e-5, (n, name)
+    with pytest.raises(ValueError, match="empty cache"):
+        m.prefill_packed(prompts, cache)
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        m.prefill_packed([prompts[0], prompts[0][:0]], m.new_cache())
+    with pytest.raises(ValueError, match="KLA / GDN only"):
+        GPT(tiny_config("attn")).prefill_packed(prompts, [{}])
 
 
 FALLBACK = """import sys, warnings
@@ -641,14 +695,20 @@ def test_flex_attention_document_mask():
 
 def test_doc_seqlens_and_its_errors():
     """doc_seqlens: a document starts at every row and after every end-of-text token (9 here), one start where
-    both fall together; the model refuses cu_seqlens with a cache, or not of its packed row."""
+    both fall together; the model refuses cu_seqlens with a cache that holds a state (or with attention's), or
+    not of its packed row."""
     x = torch.tensor([[1, 9, 2, 9], [9, 9, 4, 5], [3, 4, 5, 6]])
     cu = model.doc_seqlens(x, 9)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 4, 5, 6, 8, 12]
     assert model.doc_seqlens(x[:1, :1], 9).tolist() == [0, 1]
     m = GPT(tiny_config("kla"))
-    with pytest.raises(ValueError, match="not with a cache"):
-        m(x.view(1, -1), cu_seqlens=cu, cache=m.new_cache())
+    cache = m.new_cache()
+    m(x.view(1, -1), cu_seqlens=cu, cache=cache)  # an empty cache: packed prompts, read in
+    with pytest.raises(ValueError, match="a cache that holds a state"):
+        m(x.view(1, -1), cu_seqlens=cu, cache=cache)
+    with pytest.raises(ValueError, match="got mixer 'attn'"):
+        a = GPT(tiny_config("attn"))
+        a(x.view(1, -1), cu_seqlens=cu, cache=a.new_cache())
     with pytest.raises(ValueError, match="batch of 1, got B = 3"):
         m(x, cu_seqlens=cu)
     with pytest.raises(ValueError, match="must end at T = 11, got 12"):
