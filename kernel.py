@@ -127,6 +127,22 @@ def _inv_unit_lower16(At):
 
 
 @triton.jit
+def _seq_program(cs, order, H, N, VARLEN: tl.constexpr):
+    """The sequential kernels' program along axis 1: (i_p, the index of its state, (sequence or batch) * H + head;
+    i_bh, its rows in the per-(batch, head) buffers; its chunks n0 .. n1 - 1). VARLEN: the programs take the packed
+    sequences longest first (order), so that no long one starts in the last wave, and each walks only its own
+    chunks cs[seq] .. cs[seq + 1] - 1."""
+    i_p = tl.program_id(1).to(tl.int64)
+    i_bh, n0, n1 = i_p, 0, N
+    if VARLEN:
+        i_s = tl.load(order + i_p // H).to(tl.int64)
+        i_bh = i_p % H
+        i_p = i_s * H + i_bh
+        n0, n1 = tl.load(cs + i_s), tl.load(cs + i_s + 1)
+    return i_p, i_bh, n0, n1
+
+
+@triton.jit
 def _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps,
           K: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr):
     """16 rows of k (zero past T) and their beta, which is also stored."""
@@ -270,14 +286,9 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
     FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step.
     VARLEN: packed sequences laid out chunk-aligned (batch 1); program (i_v, seq * H + head) walks only the
     chunks cs[seq] .. cs[seq + 1] - 1 of its sequence, so the sequences run in parallel."""
-    i_v, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)  # i_p: the state's index, (seq or batch) * H + head
+    i_v = tl.program_id(0)
     N = tl.cdiv(T, C)
-    i_bh, n0, n1 = i_p, 0, N
-    if VARLEN:  # the programs take the sequences longest first (order), so that none starts last
-        i_s = tl.load(order + i_p // H).to(tl.int64)
-        i_bh = i_p % H
-        i_p = i_s * H + i_bh
-        n0, n1 = tl.load(cs + i_s), tl.load(cs + i_s + 1)
+    i_p, i_bh, n0, n1 = _seq_program(cs, order, H, N, VARLEN)
     i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
@@ -367,14 +378,9 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, order, T
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn.
     VARLEN (as _fwd_kernel): each program walks back over its own sequence's chunks."""
-    i_v, i_p = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(0)
     N = tl.cdiv(T, C)
-    i_bh, n0, n1 = i_p, 0, N
-    if VARLEN:  # the programs take the sequences longest first (order), so that none starts last
-        i_s = tl.load(order + i_p // H).to(tl.int64)
-        i_bh = i_p % H
-        i_p = i_s * H + i_bh
-        n0, n1 = tl.load(cs + i_s), tl.load(cs + i_s + 1)
+    i_p, i_bh, n0, n1 = _seq_program(cs, order, H, N, VARLEN)
     i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
