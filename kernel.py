@@ -284,8 +284,8 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
     """Sequential over chunks, state S (K x BV) in float32 registers:
         U = U0 - W S,  O = O0 + Qe S (o holds O0),  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U.
     FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step.
-    VARLEN: packed sequences laid out chunk-aligned (batch 1); program (i_v, seq * H + head) walks only the
-    chunks cs[seq] .. cs[seq + 1] - 1 of its sequence, so the sequences run in parallel."""
+    VARLEN: packed sequences laid out chunk-aligned (batch 1), a program per (sequence, head) walking only that
+    sequence's chunks (_seq_program), so the sequences run in parallel."""
     i_v = tl.program_id(0)
     N = tl.cdiv(T, C)
     i_p, i_bh, n0, n1 = _seq_program(cs, order, H, N, VARLEN)
@@ -679,10 +679,10 @@ def _check_cu_seqlens(cu_seqlens, q):
 def _varlen_layout(bounds, device):
     """The chunk-aligned layout of packed sequences: sequence n moves to padded positions from p_n, a multiple of
     C, so that no chunk holds two sequences (the gaps are zeros: beta = 0, g = 0, no change to the state).
-    Returns (the padded position of every token (T,), the gap positions, the token at every padded position (Tp,;
-    0 in the gaps), the padded length Tp, the first chunk
-    of every sequence and the number of chunks (N + 1,), the sequences from the most chunks to the fewest (N,)
-    (both for _fwd_kernel and _bwd_state_kernel), N); built on the host, one copy to the device."""
+    Returns (the padded position of every token (T,), the gap positions, the token at every padded position
+    (Tp,; 0 in the gaps), the padded length Tp, the first chunk of every sequence and the number of chunks (N + 1,),
+    the sequences from the most chunks to the fewest (N,) (both for _seq_program), N); built on the host, one copy
+    to the device."""
     C = C_CHUNK
     cu = torch.tensor(bounds)
     lens = cu[1:] - cu[:-1]
