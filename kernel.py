@@ -41,10 +41,11 @@ kernel_decode.py (the model's block-level decoding fusions): a new step-size rul
 and those two. The one-token step on a state tile, _delta_step, is shared with kernel_decode.py too.
 Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
 
-Packed sequences (cu_seqlens): kla_chunk lays them out chunk-aligned (_varlen_layout: each sequence from a multiple
-of C, zeros between, which change nothing), so that no chunk holds two sequences; only _fwd_kernel and
-_bwd_state_kernel change (VARLEN): one program per (sequence, head, value block) walks that sequence's chunks
-from its initial state, so the packed sequences run in parallel.
+Packed sequences (cu_seqlens, VARLEN): each sequence takes chunks of its own (_varlen_layout), so that no chunk holds
+two; the chunk-parallel kernels find a chunk's tokens in place in q, k, v, o through a chunk table (_chunk_rows: rows
+past the sequence's end are masked, zeros that change nothing), and one program of _fwd_kernel and _bwd_state_kernel
+per (sequence, head, value block) walks that sequence's chunks from its initial state (_seq_program), so the packed
+sequences run in parallel. Nothing is copied.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
 (fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
@@ -127,33 +128,47 @@ def _inv_unit_lower16(At):
 
 
 @triton.jit
-def _seq_program(cs, order, H, N, VARLEN: tl.constexpr):
+def _seq_program(cu, cs, order, H, N, T, C: tl.constexpr, VARLEN: tl.constexpr):
     """The sequential kernels' program along axis 1: (i_p, the index of its state, (sequence or batch) * H + head;
-    i_bh, its rows in the per-(batch, head) buffers; its chunks n0 .. n1 - 1). VARLEN: the programs take the packed
-    sequences longest first (order), so that no long one starts in the last wave, and each walks only its own
-    chunks cs[seq] .. cs[seq + 1] - 1."""
+    i_bh, its rows in the per-(batch, head) buffers; its chunks n0 .. n1 - 1; xb and xe: chunk n's tokens are rows
+    xb + n C ... of q, k, v, o, those from xe on masked). VARLEN: the programs take the packed sequences longest
+    first (order), so that no long one starts in the last wave, and each walks only its own chunks
+    cs[seq] .. cs[seq + 1] - 1, whose tokens start at cu[seq] (cu_seqlens)."""
     i_p = tl.program_id(1).to(tl.int64)
-    i_bh, n0, n1 = i_p, 0, N
+    i_bh, n0, n1, xb, xe = i_p, 0, N, 0, T
     if VARLEN:
         i_s = tl.load(order + i_p // H).to(tl.int64)
         i_bh = i_p % H
         i_p = i_s * H + i_bh
         n0, n1 = tl.load(cs + i_s), tl.load(cs + i_s + 1)
-    return i_p, i_bh, n0, n1
+        xb, xe = tl.load(cu + i_s) - n0 * C, tl.load(cu + i_s + 1)
+    return i_p, i_bh, n0, n1, xb, xe
 
 
 @triton.jit
-def _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps,
+def _chunk_rows(cr, i_n, T, N, C: tl.constexpr, VARLEN: tl.constexpr):
+    """The token-parallel kernels' chunk i_n: its first token's row in q, k, v, o and the end of its sequence (rows
+    from there on are masked: zeros in, nothing out). VARLEN: from the chunk table cr (_varlen_layout), so that the
+    packed tokens are read and written where they lie, with no copy into the chunk-aligned buffers' layout."""
+    x0, xe = i_n * C, T
+    if VARLEN:
+        x0, xe = tl.load(cr + i_n), tl.load(cr + N + i_n)
+    return x0, xe
+
+
+@triton.jit
+def _slab(k, eta, beta_out, j, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps,
           K: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr):
-    """16 rows of k (zero past T) and their beta, which is also stored."""
-    t = t0 + tl.arange(0, 16)
+    """Rows j .. j + 15 of a chunk: 16 rows of k (token rows x0 + j ..., zero from xe on) and their beta, which is
+    also stored (at the chunk's rows t0 + j ...)."""
+    t = x0 + j + tl.arange(0, 16)
     c = tl.arange(0, BK)
-    m = t < T
+    m = t < xe
     bk = tl.load(k + ((i_b * T + t[:, None]) * H + i_h) * K + c[None, :], mask=m[:, None] & (c[None, :] < K), other=0.)
     e = tl.load(eta + (i_b * T + t) * H + i_h, mask=m, other=0.)
     kf = bk.to(tl.float32)
     beta = _beta(tl.sum(kf * kf, 1), e, eps, KACZ)
-    tl.store(beta_out + i_bh * Tp + t, beta)
+    tl.store(beta_out + i_bh * Tp + t0 + j + tl.arange(0, 16), beta)
     return bk, beta
 
 
@@ -181,23 +196,25 @@ def _store16(ar, base, bi: tl.constexpr, bj: tl.constexpr, X, C: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
-                 K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, PREC: tl.constexpr):
+def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, cr, T, H, Tp, eps,
+                 K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, VARLEN: tl.constexpr,
+                 PREC: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
+    x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
     r = tl.arange(0, C)
-    gg = tl.load(g + (i_b * T + t0 + r) * H + i_h, mask=t0 + r < T, other=0.)
+    gg = tl.load(g + (i_b * T + x0 + r) * H + i_h, mask=x0 + r < xe, other=0.)
     # a gate below GATE_FLOOR (g = -inf: a decay of exactly 0) is raised to it, so that b stays finite
     gg = tl.maximum(gg, GATE_FLOOR)
     # the cumulative sum as a masked row sum (tl.cumsum next to tl.sum has crashed Triton 3.6)
     bl = tl.sum(tl.where(r[:, None] >= r[None, :], gg[None, :], 0.), 1) * 1.4426950408889634  # log2(e)
     tl.store(bl_out + i_bh * Tp + t0 + r, bl)
 
-    k1, b1 = _slab(k, eta, beta_out, t0, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    k2, b2 = _slab(k, eta, beta_out, t0 + 16, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    k3, b3 = _slab(k, eta, beta_out, t0 + 32, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    k4, b4 = _slab(k, eta, beta_out, t0 + 48, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k1, b1 = _slab(k, eta, beta_out, 0, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k2, b2 = _slab(k, eta, beta_out, 16, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k3, b3 = _slab(k, eta, beta_out, 32, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
+    k4, b4 = _slab(k, eta, beta_out, 48, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
     I1 = _inv_unit_lower16(_kkt16_diag_t(k1, b1, PREC))
     I2 = _inv_unit_lower16(_kkt16_diag_t(k2, b2, PREC))
     I3 = _inv_unit_lower16(_kkt16_diag_t(k3, b3, PREC))
@@ -239,9 +256,9 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, T, H, Tp, eps,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale,
+def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr):
+                    VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel: everything of a chunk that does not depend on the state entering it.
         W = P Diag(exp b) K,  Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W),  U0 = P V,  O0 = scale (Gamma o QK^T) U0
     so that the sequential kernel only computes U = U0 - W S, O = O0 + Qe S and the state update.
@@ -252,10 +269,12 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale
     dt = DT
     r = tl.arange(0, C)
     rt, ck = t0 + r, tl.arange(0, BK)
+    x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
+    rx = x0 + r  # token rows
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     causal = r[:, None] >= r[None, :]
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     bar = tl.load(ar + (i_bh * Tp + rt[:, None]) * C + r[None, :]).to(tl.float32)
@@ -269,15 +288,15 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, T, H, Tp, scale
     _st(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Qe * scale)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
-        bv = _ld(v + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        bv = _ld(v + v_off, rx, cv, xe, V, H * V, 1).to(dt)
         U0 = tl.dot(P, bv, input_precision=PREC)
         O0 = tl.dot(Aqk, U0.to(dt), input_precision=PREC)
         _st(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U0)
-        _st(o + v_off, rt, cv, T, V, H * V, 1, O0 * scale)
+        _st(o + v_off, rx, cv, xe, V, H * V, 1, O0 * scale)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
+def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, FUSE_O: tl.constexpr,
                 VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
@@ -287,8 +306,8 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
     VARLEN: packed sequences laid out chunk-aligned (batch 1), a program per (sequence, head) walking only that
     sequence's chunks (_seq_program), so the sequences run in parallel."""
     i_v = tl.program_id(0)
-    N = tl.cdiv(T, C)
-    i_p, i_bh, n0, n1 = _seq_program(cs, order, H, N, VARLEN)
+    N = Tp // C
+    i_p, i_bh, n0, n1, xb, xe = _seq_program(cu, cs, order, H, N, T, C, VARLEN)
     i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
@@ -299,49 +318,51 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
         S += _ld(h0 + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
     for n in range(n0, n1):
         t0 = n * C
-        rt = t0 + r
+        rt, rx = t0 + r, xb + t0 + r  # rows of the chunk buffers, token rows
         if SAVE_H:
             _st(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, S)
         bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bu = _ld(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
-        bk = _ld(k + (i_b * T * H + i_h) * K, rt, ck, T, K, H * K, 1).to(dt)
+        bk = _ld(k + (i_b * T * H + i_h) * K, rx, ck, xe, K, H * K, 1).to(dt)
         bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
         Sb = S.to(dt)
         U = bu - tl.dot(bw, Sb, input_precision=PREC)
         if FUSE_O:
             bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
-            bo = _ld(o + o_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+            bo = _ld(o + o_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
             bo += tl.dot(bqe, Sb, input_precision=PREC)
-            _st(o + o_off, rt, cv, T, V, H * V, 1, bo)
+            _st(o + o_off, rx, cv, xe, V, H * V, 1, bo)
         S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     if STORE_HT:
         _st(ht + i_p * K * V, ck, cv, K, V, V, 1, S)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_o_kernel(qe, hs, o, T, H, Tp,
+def _fwd_o_kernel(qe, hs, o, cr, T, H, Tp,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  PREC: tl.constexpr, DT: tl.constexpr):
+                  VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel O = O0 + Qe S0 with the saved S0 of each chunk (o holds O0), for FUSE_O = False."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    N = tl.cdiv(T, C)
+    N = Tp // C
     rt, ck = i_n * C + tl.arange(0, C), tl.arange(0, BK)
+    x0, xe = _chunk_rows(cr, i_n, T, N, C, VARLEN)
+    rx = x0 + tl.arange(0, C)  # token rows
     o_off = (i_b * T * H + i_h) * V
     bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(DT)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         S0 = _ld(hs + (i_bh * N + i_n) * K * V, ck, cv, K, V, V, 1).to(DT)
-        bo = _ld(o + o_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+        bo = _ld(o + o_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
         bo += tl.dot(bqe, S0, input_precision=PREC)
-        _st(o + o_off, rt, cv, T, V, H * V, 1, bo)
+        _st(o + o_off, rx, cv, xe, V, H * V, 1, bo)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
+def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    PREC: tl.constexpr, DT: tl.constexpr):
+                    VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Token-parallel: dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
         dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
@@ -350,10 +371,12 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
     dt = DT
     r = tl.arange(0, C)
     rt, ck = t0 + r, tl.arange(0, BK)
+    x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
+    rx = x0 + r  # token rows
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
@@ -365,13 +388,13 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, T, H, Tp, scale,
     _st(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Wd)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
-        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
         dU0 = tl.dot(Aqk_t, bdo, input_precision=PREC)
         _st(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, scale * tl.dot(P_t, dU0.to(dt), input_precision=PREC))
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, order, T, H, Tp, scale,
+def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
                       DT: tl.constexpr):
@@ -379,8 +402,8 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, order, T
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn.
     VARLEN (as _fwd_kernel): each program walks back over its own sequence's chunks."""
     i_v = tl.program_id(0)
-    N = tl.cdiv(T, C)
-    i_p, i_bh, n0, n1 = _seq_program(cs, order, H, N, VARLEN)
+    N = Tp // C
+    i_p, i_bh, n0, n1, xb, xe = _seq_program(cu, cs, order, H, N, T, C, VARLEN)
     i_b, i_h = i_bh // H, i_bh % H
     dt = DT
     r = tl.arange(0, C)
@@ -391,18 +414,18 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, order, T
         dS += _ld(dht + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
     for n in range(n1 - 1, n0 - 1, -1):
         t0 = n * C
-        rt = t0 + r
+        rt, rx = t0 + r, xb + t0 + r  # rows of the chunk buffers, token rows
         _st(dhs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, dS)
         bwd = _ld(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bdv = _ld(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
-        bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+        bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
         bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
         eb = tl.exp2(bl)
         dVn = bdv + tl.dot(bwd, dS.to(dt), input_precision=PREC)
-        _st(dv + v_off, rt, cv, T, V, H * V, 1, dVn)
-        bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
+        _st(dv + v_off, rx, cv, xe, V, H * V, 1, dVn)
+        bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+        bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
         dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
     if STORE_DH0:
@@ -410,27 +433,29 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cs, order, T
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp, dbl, T, H, Tp, scale,
+def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   PREC: tl.constexpr, DT: tl.constexpr):
+                   VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 1 (grid (chunks, B*H)): the reductions over the value dimension that need S0 and dS1
     of the chunk. Only two C x C float32 accumulators live across the value loop; no C x K one. Writes
         Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and the gate gradient terms of the
         value loop (d / d b, natural log domain, per position)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
-    N = tl.cdiv(T, C)
+    N = Tp // C
     t0 = i_n * C
     dt = DT
     r = tl.arange(0, C)
     rt, ck = t0 + r, tl.arange(0, BK)
+    x0, xe = _chunk_rows(cr, i_n, T, N, C, VARLEN)
+    rx = x0 + r  # token rows
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     h_off = (i_bh * N + i_n) * K * V
     ar_off = (i_bh * Tp + t0) * C
     causal = r[:, None] >= r[None, :]
     causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
-    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
@@ -455,9 +480,9 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
         sS += tl.sum(S0.to(tl.float32) * dS1.to(tl.float32), 0)
         S0 = S0.to(dt)
         dS1 = dS1.to(dt)
-        bv = _ld(v + v_off, rt, cv, T, V, H * V, 1).to(dt)
-        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
-        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+        bv = _ld(v + v_off, rx, cv, xe, V, H * V, 1).to(dt)
+        bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
+        bdv = _ld(dv + v_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
         kS = tl.dot(bk, S0, input_precision=PREC)
         db -= eb * tl.sum(bdv * kS, 1)
         Vn = bv.to(tl.float32) - eb[:, None] * kS
@@ -481,9 +506,9 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, T, H, Tp, scale,
-                   eps, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr,
-                   PREC: tl.constexpr, DT: tl.constexpr):
+def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp,
+                   scale, eps, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr,
+                   VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 2 (grid (chunks, B*H)): the C x C algebra of a chunk. From _bwd_cc_kernel's dO Vn^T,
     dU Vn^T and gate terms: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain
     rule, dg (reverse cumsum) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
@@ -494,6 +519,8 @@ def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat,
     dt = DT
     r = tl.arange(0, C)
     rt, ck = t0 + r, tl.arange(0, BK)
+    x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
+    rx = x0 + r  # token rows
     qk_off = (i_b * T * H + i_h) * K
     ar_off = (i_bh * Tp + t0) * C
     causal = r[:, None] >= r[None, :]
@@ -510,8 +537,8 @@ def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat,
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
     dA = dA * gam
     tl.store(dag + ar_off + r[:, None] * C + r[None, :], dA.to(dag.dtype.element_ty))
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
-    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     F = dA * tl.dot(bq, tl.trans(bk), input_precision=PREC)  # dA o Gamma o QK^T (dA is causal)
     db += tl.sum(F, 1) - tl.sum(F, 0)
     # WY path: P = Gamma o (Ar Diag(beta)), Ar = (I + A0)^-1, A0 = StrictTril(Diag(beta) K K^T)
@@ -526,24 +553,24 @@ def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat,
     # dk += E K + E^T K in _bwd_dqk_kernel, which loads E both ways from memory
     tl.store(emat + ar_off + r[:, None] * C + r[None, :], (dA0 * beta[:, None]).to(emat.dtype.element_ty))
     # the chain rule through beta(||k||^2, eta): deta, and dk += 2 dbeta (d beta / d r2) k in _bwd_dqk_kernel
-    m = rt < T
+    m = rx < xe
     kf = bk.to(tl.float32)
-    d_eta, d_r2 = _dbeta(tl.sum(kf * kf, 1), tl.load(eta + (i_b * T + rt) * H + i_h, mask=m, other=0.), beta,
+    d_eta, d_r2 = _dbeta(tl.sum(kf * kf, 1), tl.load(eta + (i_b * T + rx) * H + i_h, mask=m, other=0.), beta,
                          eps, KACZ)
     bdeta = dbeta * d_eta
     if KACZ:
         tl.store(coef + i_bh * Tp + rt, 2.0 * dbeta * d_r2)
     # b = cumsum(g): dg_j = sum_{i >= j} db_i; 0 below the floor that _prep_kernel raised g to
     bdg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
-    bdg = tl.where(tl.load(g + (i_b * T + rt) * H + i_h, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
-    tl.store(dg + (i_b * T + rt) * H + i_h, bdg, mask=m)
-    tl.store(deta + (i_b * T + rt) * H + i_h, bdeta, mask=m)
+    bdg = tl.where(tl.load(g + (i_b * T + rx) * H + i_h, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
+    tl.store(dg + (i_b * T + rx) * H + i_h, bdg, mask=m)
+    tl.store(deta + (i_b * T + rx) * H + i_h, bdeta, mask=m)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, T, H, Tp, scale,
+def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
-                    KACZ: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                    KACZ: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 2 (grid (K / BKB, chunks, B*H)): dq and dk of BKB key columns of one chunk, two
     C x BKB accumulators, from _bwd_cc_kernel's Uc, dAg, E and beta coefficient:
         dq = scale Diag(exp b) dO S0^T + dAg K
@@ -551,11 +578,13 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    N = tl.cdiv(T, C)
+    N = Tp // C
     t0 = i_n * C
     dt = DT
     r = tl.arange(0, C)
     rt, ck = t0 + r, i_k * BKB + tl.arange(0, BKB)
+    x0, xe = _chunk_rows(cr, i_n, T, N, C, VARLEN)
+    rx = x0 + r  # token rows
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     h_off = (i_bh * N + i_n) * K * V
     ar_off = (i_bh * Tp + t0) * C
@@ -566,17 +595,17 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
         cv = i_v * BV + tl.arange(0, BV)
         S0_t = tl.trans(_ld(hs + h_off, ck, cv, K, V, V, 1).to(dt))  # transposes of loaded tiles
         dS1_t = tl.trans(_ld(dhs + h_off, ck, cv, K, V, V, 1).to(dt))
-        bdo = _ld(do + v_off, rt, cv, T, V, H * V, 1).to(dt)
-        bdv = _ld(dv + v_off, rt, cv, T, V, H * V, 1).to(tl.float32)
+        bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
+        bdv = _ld(dv + v_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
         buc = _ld(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(dt)
         X = tl.dot(bdo, S0_t, acc=X, input_precision=PREC)
         bdk = tl.dot(buc, dS1_t, acc=bdk, input_precision=PREC)
         bdk = tl.dot((bdv * neb[:, None]).to(dt), S0_t, acc=bdk, input_precision=PREC)
-    bk = _ld(k + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)
     bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
-    _st(dq + qk_off, rt, ck, T, K, H * K, 1, bdq)
-    bq = _ld(q + qk_off, rt, ck, T, K, H * K, 1).to(dt)
+    _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
     bdk = tl.dot(dAg_t, bq, acc=bdk, input_precision=PREC)
     EE = (tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
@@ -584,7 +613,7 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     bdk = tl.dot(EE.to(dt), bk, acc=bdk, input_precision=PREC)
     if KACZ:
         bdk += tl.load(coef + i_bh * Tp + rt)[:, None] * bk.to(tl.float32)
-    _st(dk + qk_off, rt, ck, T, K, H * K, 1, bdk)
+    _st(dk + qk_off, rx, ck, xe, K, H * K, 1, bdk)
 
 
 @triton.jit
@@ -677,26 +706,23 @@ def _check_cu_seqlens(cu_seqlens, q):
 
 
 def _varlen_layout(bounds, device):
-    """The chunk-aligned layout of packed sequences: sequence n moves to padded positions from p_n, a multiple of
-    C, so that no chunk holds two sequences (the gaps are zeros: beta = 0, g = 0, no change to the state).
-    Returns (the padded position of every token (T,), the gap positions, the token at every padded position
-    (Tp,; 0 in the gaps), the padded length Tp, the first chunk of every sequence and the number of chunks (N + 1,),
-    the sequences from the most chunks to the fewest (N,) (both for _seq_program), N); built on the host, one copy
-    to the device."""
+    """The chunks of packed sequences: sequence n takes chunks cs[n] .. cs[n + 1] - 1, its own, so that no chunk holds
+    two sequences; the kernels' chunk buffers (b, beta, the inverses, W, U, ...) are laid out by chunk, the tokens
+    stay where they are in q, k, v, o (a chunk's rows past its sequence's end are masked: zeros, which change
+    nothing). Returns (cu_seqlens (N + 1,) int32, cs (N + 1,), the sequences from the most chunks to the fewest
+    (N,) (for _seq_program), the chunk table cr (2 n_chunks,): each chunk's first token, then the end of its
+    sequence (for _chunk_rows), n_chunks, N); built on the host, one copy to the device."""
     C = C_CHUNK
     cu = torch.tensor(bounds)
     lens = cu[1:] - cu[:-1]
-    start = torch.cat([cu.new_zeros(1), ((lens + C - 1) // C).cumsum(0)])  # the first chunk of each sequence
-    n_chunks, N = int(start[-1]), len(lens)
-    pos = torch.arange(bounds[-1]) + torch.repeat_interleave(start[:-1] * C - cu[:-1], lens)
-    gap = torch.ones(n_chunks * C, dtype=torch.bool)
-    gap[pos] = False
-    gap = gap.nonzero()[:, 0]
-    order = torch.argsort(start[:-1] - start[1:], stable=True)  # most chunks first
-    src = torch.zeros(n_chunks * C, dtype=torch.long)
-    src[pos] = torch.arange(bounds[-1])
-    parts = torch.cat([pos, gap, src, start, order]).to(device).split([len(pos), len(gap), len(src), N + 1, N])
-    return *parts[:3], n_chunks * C, *parts[3:], N
+    n_ch = (lens + C - 1) // C
+    cs = torch.cat([cu.new_zeros(1), n_ch.cumsum(0)])
+    n_chunks, N = int(cs[-1]), len(lens)
+    seq = torch.repeat_interleave(torch.arange(N), n_ch)  # the sequence of every chunk
+    first = cu[seq] + (torch.arange(n_chunks) - cs[seq]) * C
+    order = torch.argsort(cs[:-1] - cs[1:], stable=True)  # most chunks first
+    parts = torch.cat([cu, cs, order, first, cu[seq + 1]]).int().to(device).split([N + 1, N + 1, N, 2 * n_chunks])
+    return *parts, n_chunks, N
 
 
 def _common_dtype(q, k, v):
@@ -785,16 +811,13 @@ def _bwd_dqk_config(BK, V, fp32=False):
 class KLAChunkFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save,
-                cs=None, order=None, n_seq=None):
-        """cs, order, n_seq: packed sequences laid out chunk-aligned in a batch of 1 (_varlen_layout): the first
-        chunk of each sequence (then the number of chunks), the sequences longest first, and their number; states
-        are then (n_seq, H, K, V)."""
+    def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save, layout=None):
+        """layout: packed sequences in a batch of 1 (_varlen_layout); states are then (number of sequences, H, K, V)."""
         B, T, H, K = q.shape
         V = v.shape[-1]
         C, BK = C_CHUNK, _block_k(K)
-        N = triton.cdiv(T, C)
-        Tp = N * C
+        cu, cs, order, cr, N, n_state = (None, None, None, None, triton.cdiv(T, C), B) if layout is None else layout
+        Tp = N * C  # the chunk buffers' rows
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         g_dtype, eta_dtype = g.dtype, eta.dtype
         g, eta = g.float().contiguous(), eta.float().contiguous()
@@ -805,44 +828,44 @@ class KLAChunkFunction(torch.autograd.Function):
         beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
         ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
         fp32 = q.dtype == torch.float32
-        _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
-                                 PREC=prec, num_warps=_prep_warps(BK, fp32))
+        varlen = layout is not None
+        _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
+                                 VARLEN=varlen, PREC=prec, num_warps=_prep_warps(BK, fp32))
         o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
-        n_state = B if cs is None else n_seq
         ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
         fuse_o = _fwd_fuse_o(n_state * H, V, save, N)
         hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
         w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
         u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
         BVP, nwp = _pre_config(BK, V, fp32)
-        _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                    BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
+        _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                    BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(n_state * H, V, fp32)
         _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
-            k, bl, w, qe, u0, h0, o, ht, hs, cs, order, T, H, Tp,
+            k, bl, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
             K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-            SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=cs is not None, PREC=prec, DT=dt,
+            SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt,
             num_warps=nw, num_stages=ns)
         if not fuse_o:
-            _fwd_o_kernel[(N, B * H)](qe, hs, o, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, PREC=prec, DT=dt,
-                                      num_warps=nwp)
+            _fwd_o_kernel[(N, B * H)](qe, hs, o, cr, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, VARLEN=varlen,
+                                      PREC=prec, DT=dt, num_warps=nwp)
         del w, qe, u0
         if save:
             ctx.save_for_backward(q, k, v, g, eta, bl, beta, ar, hs)
             ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype,
-                        cs, order, n_state)
+                        layout)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, eta, bl, beta, ar, hs = ctx.saved_tensors
-        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, cs, order, n_state = ctx.meta
+        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, layout = ctx.meta
         has_h0 = h0_dtype is not None
         B, T, H, K = q.shape
         V = v.shape[-1]
         C, BK = C_CHUNK, _block_k(K)
-        N = triton.cdiv(T, C)
-        Tp = N * C
+        cu, cs, order, cr, N, n_state = (None, None, None, None, triton.cdiv(T, C), B) if layout is None else layout
+        Tp, varlen = N * C, layout is not None
         dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
         do = do.contiguous()
         dv = torch.empty_like(v)
@@ -853,12 +876,12 @@ class KLAChunkFunction(torch.autograd.Function):
         dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
         fp32 = q.dtype == torch.float32
         BVP, nwp = _pre_config(BK, V, fp32)
-        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                    BV=BVP, PREC=prec, DT=dt, num_warps=nwp)
+        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                    BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
         BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
         _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
-            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cs, order, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=cs is not None,
+            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen,
             PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
         del wd, dv0
         dq, dk = torch.empty_like(q), torch.empty_like(k)
@@ -871,19 +894,20 @@ class KLAChunkFunction(torch.autograd.Function):
         dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
         BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
         _bwd_cc_kernel[(N, B * H)](
-            q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BVB, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+            q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
+            K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
         _bwd_wy_kernel[(N, B * H)](
-            q, k, g, eta, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, T, H, Tp, scale, eps,
-            K=K, C=C, BK=BK, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
+            q, k, g, eta, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
+            K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
         del dovn, dp, dbl
         BKB, BVB, nw = _bwd_dqk_config(BK, V, q.dtype == torch.float32)
         _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
-            q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, T, H, Tp, scale,
-            K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+            q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
+            K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
+            num_stages=1)
         del uc, dag, emat, coef
         dh0 = None if dh0 is None else dh0.to(h0_dtype)
-        return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None, None
 
 
 def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
@@ -902,36 +926,7 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     save = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, eta, initial_state))
     args = (initial_state, float(scale), float(eps), bool(output_final_state), bool(kaczmarz), save)
-    if layout is None:
-        return KLAChunkFunction.apply(q, k, v, g, eta, *args)
-    # packed sequences: scattered into the chunk-aligned layout and o gathered back by differentiable indexing
-    pos, gap, src, Tp, cs, order, n_seq = layout
-
-    def pad(x):  # (1, T, ...) -> (1, Tp, ...), zeros between the sequences
-        return _Rows.apply(x.reshape(x.shape[1], -1), src, gap, pos, None).view(1, Tp, *x.shape[2:])
-
-    o, ht = KLAChunkFunction.apply(*(pad(x) for x in (q, k, v, g, eta)), *args, cs, order, n_seq)
-    return _Rows.apply(o.view(Tp, -1), pos, None, src, gap).view(1, -1, *o.shape[2:]), ht
-
-
-class _Rows(torch.autograd.Function):
-    """Rows of a 2-D x picked by index (rows zero set to 0), with the gradient picked back by back_index (rows
-    back_zero set to 0): the move into the chunk-aligned layout and out of it, each the other's inverse. Whole
-    rows gathered both ways: the copies of the five inputs and o took 0.73 ms with index_copy_ on dim 1 and
-    0.41 ms with index_select on rows at 32K tokens, H = 16, D = 128 on an H200 (autograd's own backward of
-    index_select, an index_add_, made the forward + backward slower: 6.11 -> 8.05 ms)."""
-
-    @staticmethod
-    def forward(ctx, x, index, zero, back_index, back_zero):
-        ctx.back = (back_index, back_zero)
-        out = x.index_select(0, index)
-        return out if zero is None else out.index_fill_(0, zero, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        back_index, back_zero = ctx.back
-        out = grad.contiguous().index_select(0, back_index)
-        return (out if back_zero is None else out.index_fill_(0, back_zero, 0)), None, None, None, None
+    return KLAChunkFunction.apply(q, k, v, g, eta, *args, layout)
 
 
 def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out_state=None):

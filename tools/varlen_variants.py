@@ -1,5 +1,5 @@
 """Packed-sequence (cu_seqlens) variants of kernel.kla_chunk at 64 documents in 32768 tokens, H = 16, D = 128, bf16:
-the sequential kernels' configs, the longest-first order, and the copies into and out of the chunk-aligned layout.
+the sequential kernels' configs and the longest-first order.
 Timing only (the same inputs as bench.py --section=varlen); writes $OUT/varlen_variants.md.
     python3 tools/varlen_variants.py
 """
@@ -12,9 +12,9 @@ T, N, H, D = 32768, 64, 16, 128
 cuts = torch.randperm(T - 1, generator=torch.Generator().manual_seed(0))[:N - 1].sort().values + 1
 cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).to(dev)
 seq_config, fuse_o, layout = kernel._seq_config, kernel._fwd_fuse_o, kernel._varlen_layout
-def ident(bounds, device):
+def ident(bounds, device):  # the sequences in their own order
     p = layout(bounds, device)
-    return (*p[:5], torch.arange(p[-1], device=device), p[-1])
+    return (*p[:2], torch.arange(p[-1], device=device, dtype=torch.int32), *p[3:])
 variants = {
     "default": {},
     "no order": dict(_varlen_layout=ident),
@@ -41,21 +41,6 @@ for backward in (False, True):
         kernel._seq_config, kernel._fwd_fuse_o, kernel._varlen_layout = seq_config, fuse_o, layout
         rows.append((name, backward, ms, ms / dense))
         print(rows[-1], flush=True)
-    # the copies alone: scatter of q, k, v, g, eta into the padded layout and the gather of o
-    pos, gap, src, Tp = kernel._check_cu_seqlens(cu, xs[0])[:4]
-    def copies_old(*x):
-        out = []
-        for t in x:
-            xp = t.new_empty(1, Tp, *t.shape[2:]).index_fill_(1, gap, 0)
-            out.append(xp.index_copy_(1, pos, t))
-        return out[2][:, pos]
-    def copies_new(*x):
-        out = [t.reshape(T, -1).index_select(0, src).index_fill_(0, gap, 0) for t in x]
-        return out[2].index_select(0, pos)
-    if not backward:
-        for name, fn in (("copies, index_copy_ on dim 1", copies_old), ("copies, index_select on rows", copies_new)):
-            ms = triton.testing.do_bench(lambda: fn(*xs))
-            rows.append((name, backward, ms, ms / dense)); print(rows[-1], flush=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp"), "varlen_variants.md"), "w") as f:
     f.write("| variant | backward | ms | / 1 sequence |\n|---|---|---|---|\n")
     for r in rows:
