@@ -21,7 +21,8 @@ Sections (comma-separated; default kernel,decode):
           and fla's GatedDeltaNet LM of this width in two head shapes (V 256: fla's kernels; V 128: FlashQLA's),
           eager and compiled, when flash-linear-attention imports (--fla_lm=0: not).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
-  prefill  batch-1 forward over 4K to 128K tokens, KLA against attention: latency and peak memory.
+  prefill  batch-1 forward over 4K to 128K tokens (--lengths), KLA against attention: latency and peak memory;
+          --compile_infer=0,1,graphs: eager, compiled, compiled and replayed from CUDA graphs.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
@@ -685,23 +686,27 @@ def eval_model(mixer, device, smoke, compiled=False):
     model.set_backend(device)
     if device == "cuda":
         model.bfloat16()
-    if compiled:
+    if compiled == "graphs":  # one CUDA graph a shape: the host's launch work replayed by the GPU
+        model.compile(mode="reduce-overhead")
+    elif compiled:
         model.compile(dynamic=True)
     return model, cfg["vocab_size"]
 
 
 def infer_modes():
-    """--compile_infer=0,1: the inference sections eager (0, the default) and / or torch.compile'd (1)."""
-    return [bool(int(c)) for c in ARGS.get("compile_infer", "0").split(",")]
+    """--compile_infer=0,1,graphs: the inference sections eager (0, the default), torch.compile'd (1) and / or
+    compiled and replayed from CUDA graphs (graphs: mode='reduce-overhead', a graph a shape; prefill only)."""
+    return [c if c == "graphs" else bool(int(c)) for c in ARGS.get("compile_infer", "0").split(",")]
 
 
 def section_prefill(device, smoke):
     """Batch-1 forward over a long prompt (the logits of the last position), KLA against attention; KLA
     also in segments of 8192 tokens with the state carried (memory flat in T)."""
-    lengths = (128, 512) if smoke else (4096, 16384, 65536, 131072)
+    lengths = [int(t) for t in ARGS.get("lengths", "128,512" if smoke else "4096,8192,16384,65536,131072").split(",")]
     seg = 64 if smoke else 8192
     rows = []
     for compiled in infer_modes():
+        label = {False: "", True: " (compiled)", "graphs": " (compiled, CUDA graphs)"}[compiled]
         for mixer, how in (("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")):
             model, vocab = eval_model(mixer, device, smoke, compiled)
             fn = model if how == "one pass" else (lambda x, m=model: m.prefill(x, m.new_cache(), seg))
@@ -710,10 +715,10 @@ def section_prefill(device, smoke):
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                with torch.no_grad():
-                    ms = median_ms(lambda x=idx: fn(x), device, warmup=1, reps=3)
+                with torch.no_grad():  # CUDA graphs: two runs to warm up, the third records
+                    ms = median_ms(lambda x=idx: fn(x), device, warmup=3 if compiled == "graphs" else 1, reps=3)
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-                rows.append([mixer + (" (compiled)" if compiled else ""), how, T, ms, mem])
+                rows.append([mixer + label, how, T, ms, mem])
                 print(rows[-1], flush=True)
             del model
     return "prefill, batch 1, bf16 weights: median ms of 3", ["mixer", "how", "T", "ms", "peak GiB"], rows
@@ -744,7 +749,7 @@ def section_generate(device, smoke):
     prompts = (64, 256) if smoke else (1024, 8192, 32768)
     n_new = 8 if smoke else 64
     rows = []
-    runs = [("kla", True, 0, c) for c in infer_modes()] + [("kla", False, 0, False), ("attn", False, 0, False),
+    runs = [("kla", True, 0, c) for c in infer_modes() if c != "graphs"] + [("kla", False, 0, False), ("attn", False, 0, False),
                                                           ("attn", False, 1, False)]
     if ARGS.get("mixers"):  # --mixers=kla: only these mixers' rows
         runs = [r for r in runs if r[0] in ARGS["mixers"].split(",")]

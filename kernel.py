@@ -53,6 +53,8 @@ computed matrix (E^T K of the WY backward and dA^T Q) load E and dA o Gamma tran
 _bwd_wy_kernel wrote.
 """
 
+from typing import Optional, Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -808,106 +810,155 @@ def _bwd_dqk_config(BK, V, fp32=False):
     return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8
 
 
-class KLAChunkFunction(torch.autograd.Function):
+def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
+    """The forward kernels on contiguous q, k, v (one dtype) and float32 g, eta, h0: (o, the final states or None,
+    and what the backward reads: b, beta, the inverses, the chunk states or None). N chunks, n_state states:
+    cdiv(T, C) and B, or for packed sequences in a batch of 1 cu_seqlens, cs, order, cr from _varlen_layout and
+    its numbers of chunks and sequences (states (n_state, H, K, V))."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, BK = C_CHUNK, _block_k(K)
+    Tp, varlen = N * C, cu is not None  # the chunk buffers' rows
+    dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
+    sdt = torch.float32 if q.dtype == torch.float32 else torch.bfloat16  # stored inverses and states
+    bl = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+    beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+    ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
+    fp32 = q.dtype == torch.float32
+    _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
+                             VARLEN=varlen, PREC=prec, num_warps=_prep_warps(BK, fp32))
+    o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
+    ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    fuse_o = _fwd_fuse_o(n_state * H, V, save, N)
+    hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
+    w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
+    u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
+    BVP, nwp = _pre_config(BK, V, fp32)
+    _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
+    BV, nw, ns = _seq_config(n_state * H, V, fp32)
+    _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
+        k, bl, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
+        K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
+        SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt,
+        num_warps=nw, num_stages=ns)
+    if not fuse_o:
+        _fwd_o_kernel[(N, B * H)](qe, hs, o, cr, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, VARLEN=varlen,
+                                  PREC=prec, DT=dt, num_warps=nwp)
+    return o, ht, bl, beta, ar, hs
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, eta, initial_state, scale, eps, output_final_state, kaczmarz, save, layout=None):
-        """layout: packed sequences in a batch of 1 (_varlen_layout); states are then (number of sequences, H, K, V)."""
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        C, BK = C_CHUNK, _block_k(K)
-        cu, cs, order, cr, N, n_state = (None, None, None, None, triton.cdiv(T, C), B) if layout is None else layout
-        Tp = N * C  # the chunk buffers' rows
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        g_dtype, eta_dtype = g.dtype, eta.dtype
-        g, eta = g.float().contiguous(), eta.float().contiguous()
-        h0 = None if initial_state is None else initial_state.float().contiguous()
-        dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
-        sdt = torch.float32 if q.dtype == torch.float32 else torch.bfloat16  # stored inverses and states
-        bl = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
-        beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
-        ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
-        fp32 = q.dtype == torch.float32
-        varlen = layout is not None
-        _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
-                                 VARLEN=varlen, PREC=prec, num_warps=_prep_warps(BK, fp32))
-        o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
-        ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-        fuse_o = _fwd_fuse_o(n_state * H, V, save, N)
-        hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
-        w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
-        u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
-        BVP, nwp = _pre_config(BK, V, fp32)
-        _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                    BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
-        BV, nw, ns = _seq_config(n_state * H, V, fp32)
-        _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
-            k, bl, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-            SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt,
-            num_warps=nw, num_stages=ns)
-        if not fuse_o:
-            _fwd_o_kernel[(N, B * H)](qe, hs, o, cr, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, VARLEN=varlen,
-                                      PREC=prec, DT=dt, num_warps=nwp)
-        del w, qe, u0
-        if save:
-            ctx.save_for_backward(q, k, v, g, eta, bl, beta, ar, hs)
-            ctx.meta = (scale, eps, kaczmarz, None if h0 is None else initial_state.dtype, g_dtype, eta_dtype,
-                        layout)
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, eta, bl, beta, ar, hs = ctx.saved_tensors
-        scale, eps, kaczmarz, h0_dtype, g_dtype, eta_dtype, layout = ctx.meta
-        has_h0 = h0_dtype is not None
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        C, BK = C_CHUNK, _block_k(K)
-        cu, cs, order, cr, N, n_state = (None, None, None, None, triton.cdiv(T, C), B) if layout is None else layout
-        Tp, varlen = N * C, layout is not None
-        dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
-        do = do.contiguous()
-        dv = torch.empty_like(v)
-        dhs = torch.empty_like(hs)
-        dh0 = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
-        dht = None if dht is None else dht.float().contiguous()
-        wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
-        dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
-        fp32 = q.dtype == torch.float32
-        BVP, nwp = _pre_config(BK, V, fp32)
-        _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                    BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
-        BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
-        _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
-            q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen,
-            PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
-        del wd, dv0
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-        deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-        sdt = hs.dtype
-        uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
-        dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
-        dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
-        dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
-        BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
-        _bwd_cc_kernel[(N, B * H)](
-            q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
-            K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
-        _bwd_wy_kernel[(N, B * H)](
-            q, k, g, eta, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
-            K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
-        del dovn, dp, dbl
-        BKB, BVB, nw = _bwd_dqk_config(BK, V, q.dtype == torch.float32)
-        _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
-            q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
-            K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
-            num_stages=1)
-        del uc, dag, emat, coef
-        dh0 = None if dh0 is None else dh0.to(h0_dtype)
-        return dq, dk, dv, dg.to(g_dtype), deta.to(eta_dtype), dh0, None, None, None, None, None, None
+def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, cr, scale, eps, kaczmarz, has_h0,
+                    N, n_state):
+    """The backward kernels: (dq, dk, dv, dg, deta, dh0 or None), dg, deta, dh0 in float32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, BK = C_CHUNK, _block_k(K)
+    Tp, varlen = N * C, cu is not None
+    dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
+    do = do.contiguous()
+    dv = torch.empty_like(v)
+    dhs = torch.empty_like(hs)
+    dh0 = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
+    dht = None if dht is None else dht.float().contiguous()
+    wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
+    dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
+    fp32 = q.dtype == torch.float32
+    BVP, nwp = _pre_config(BK, V, fp32)
+    _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
+    BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
+    _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
+        q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale,
+        K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen,
+        PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
+    del wd, dv0
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
+    deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
+    sdt = hs.dtype
+    uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
+    dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
+    dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
+    dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
+    BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
+    _bwd_cc_kernel[(N, B * H)](
+        q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
+        K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+    _bwd_wy_kernel[(N, B * H)](
+        q, k, g, eta, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
+        K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
+    del dovn, dp, dbl
+    BKB, BVB, nw = _bwd_dqk_config(BK, V, q.dtype == torch.float32)
+    _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
+        q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
+        K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
+        num_stages=1)
+    return dq, dk, dv, dg, deta, dh0
+
+
+_Six = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# The kernels as two PyTorch operators with an autograd formula, so that torch.compile sees one opaque call (no
+# graph break: a whole model compiles to one graph, which CUDA graphs can replay). Missing outputs: empty tensors.
+@torch.library.custom_op("kla::chunk", mutates_args=())
+def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor,
+              h0: Optional[torch.Tensor], cu: Optional[torch.Tensor], cs: Optional[torch.Tensor],
+              order: Optional[torch.Tensor], cr: Optional[torch.Tensor], scale: float, eps: float,
+              output_final_state: bool, kaczmarz: bool, save: bool, N: int, n_state: int) -> _Six:
+    out = _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save,
+                         N, n_state)
+    return tuple(q.new_empty(0, dtype=torch.float32) if x is None else x for x in out)
+
+
+@_chunk_op.register_fake
+def _(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
+    B, T, H, K = q.shape
+    V, C = v.shape[-1], C_CHUNK
+    f32, sdt = torch.float32, torch.float32 if q.dtype == torch.float32 else torch.bfloat16
+    keep_hs = save or not _fwd_fuse_o(n_state * H, V, save, N)
+    return (q.new_empty(B, T, H, V),
+            q.new_empty(n_state, H, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32),
+            q.new_empty(B * H, N * C, dtype=f32), q.new_empty(B * H, N * C, dtype=f32),
+            q.new_empty(B * H, N * C, C, dtype=sdt),
+            q.new_empty(B * H, N, K, V, dtype=sdt) if keep_hs else q.new_empty(0, dtype=f32))
+
+
+@torch.library.custom_op("kla::chunk_backward", mutates_args=())
+def _chunk_backward_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, bl: torch.Tensor, beta: torch.Tensor,
+                       ar: torch.Tensor, hs: torch.Tensor, cu: Optional[torch.Tensor], cs: Optional[torch.Tensor],
+                       order: Optional[torch.Tensor], cr: Optional[torch.Tensor], scale: float, eps: float,
+                       kaczmarz: bool, has_h0: bool, N: int, n_state: int) -> _Six:
+    out = _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, cr, scale, eps, kaczmarz,
+                          has_h0, N, n_state)
+    return tuple(q.new_empty(0, dtype=torch.float32) if x is None else x for x in out)
+
+
+@_chunk_backward_op.register_fake
+def _(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, cr, scale, eps, kaczmarz, has_h0, N, n_state):
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(eta),
+            q.new_empty(n_state, H, K, V, dtype=torch.float32) if has_h0 else q.new_empty(0, dtype=torch.float32))
+
+
+def _chunk_setup_context(ctx, inputs, output):
+    q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, _, kaczmarz, _, N, n_state = inputs
+    ctx.save_for_backward(q, k, v, g, eta, *output[2:], cu, cs, order, cr)
+    ctx.meta = (scale, eps, kaczmarz, h0 is not None, N, n_state)
+
+
+def _chunk_grad(ctx, do, dht, *_):
+    q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, cr = ctx.saved_tensors
+    scale, eps, kaczmarz, has_h0, N, n_state = ctx.meta
+    dht = dht if dht is not None and dht.numel() else None  # no final state, or not used
+    dq, dk, dv, dg, deta, dh0 = _chunk_backward_op(do.contiguous(), dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs,
+                                                   order, cr, scale, eps, kaczmarz, has_h0, N, n_state)
+    return (dq, dk, dv, dg, deta, dh0 if has_h0 else None) + (None,) * 11
+
+
+_chunk_op.register_autograd(_chunk_grad, setup_context=_chunk_setup_context)
 
 
 def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
@@ -921,12 +972,15 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     cu_seqlens[n]:cu_seqlens[n + 1], from initial_state[n] ((N, H, K, V), or zeros), final state (N, H, K, V);
     read back to the host (not in CUDA graphs)."""
     layout = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens)
-    q, k, v = _common_dtype(q, k, v)
+    q, k, v = (x.contiguous() for x in _common_dtype(q, k, v))
+    g, eta = g.float().contiguous(), eta.float().contiguous()
+    h0 = None if initial_state is None else initial_state.float().contiguous()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    save = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, eta, initial_state))
-    args = (initial_state, float(scale), float(eps), bool(output_final_state), bool(kaczmarz), save)
-    return KLAChunkFunction.apply(q, k, v, g, eta, *args, layout)
+    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, eta, h0))
+    packed = (None,) * 4 + (triton.cdiv(q.shape[1], C_CHUNK), q.shape[0]) if layout is None else layout
+    o, ht, *_ = _chunk_op(q, k, v, g, eta, h0, *packed[:4], float(scale), float(eps), bool(output_final_state),
+                          bool(kaczmarz), save, *packed[4:])
+    return o, (ht if output_final_state else None)
 
 
 def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out_state=None):

@@ -259,16 +259,19 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
     return kla_chunkwise(q, k, v, g, eta, chunk_size=chunk_size, rule=rule, **kw)
 
 
-@torch.compiler.disable  # torch.compile fuses the layer around the kernel; the kernel runs as it is
 def _triton_attention(q, k, v, g, eta, *, eps, initial_state, output_final_state, kaczmarz, cu_seqlens=None):
     if q.shape[1] == 1 and initial_state is not None and cu_seqlens is None:
-        # decoding: the state is updated in place when it can be
-        inplace = initial_state.is_contiguous() and initial_state.dtype == torch.float32 \
-            and not torch.is_grad_enabled()
-        return kernel.kla_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz,
-                               out_state=initial_state if inplace else None)
+        return _triton_step(q, k, v, g, eta, initial_state, eps=eps, kaczmarz=kaczmarz)
+    # a PyTorch operator (kla::chunk) that torch.compile keeps whole in the model's graph
     return kernel.kla_chunk(q, k, v, g, eta, eps=eps, initial_state=initial_state,
                             output_final_state=output_final_state, kaczmarz=kaczmarz, cu_seqlens=cu_seqlens)
+
+
+@torch.compiler.disable  # the state may be updated in place
+def _triton_step(q, k, v, g, eta, state, *, eps, kaczmarz):
+    """Decoding: the state is updated in place when it can be."""
+    inplace = state.is_contiguous() and state.dtype == torch.float32 and not torch.is_grad_enabled()
+    return kernel.kla_step(q, k, v, g, eta, state, eps=eps, kaczmarz=kaczmarz, out_state=state if inplace else None)
 
 
 def resolve_backend(backend, device_type):

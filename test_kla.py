@@ -966,6 +966,33 @@ def test_kernel_packed_layout_follows_cu_seqlens():
     assert torch.equal(o3, o)
 
 
+
+def test_kernel_operator_registration():
+    """kla::chunk and its backward are PyTorch operators: torch.library.opcheck tests their schema, fake
+    (shape-only) versions and autograd formula against running them, dense and packed."""
+    q, k, v, g, eta, h0 = (x.float() for x in make_inputs(B=1, T=70, K=16, V=8, norm_range=(0.3, 3.0)))
+    for x in (q, k, v, g, eta, h0):
+        x.requires_grad_(True)
+    layout = kernel._check_cu_seqlens(torch.tensor([0, 30, 31, 70]), q)
+    for args in (((None,) * 4, (2, 1)), (layout[:4], layout[4:])):
+        h = h0 if args[1][1] == 1 else h0.detach().repeat(3, 1, 1, 1).requires_grad_(True)
+        torch.library.opcheck(kernel._chunk_op, (q, k, v, g, eta, h, *args[0], 0.25, 1e-6, True, True, True,
+                                                 *args[1]))
+
+
+def test_model_compiles_to_one_graph_with_the_kernel():
+    """With the kernel as an operator the whole model compiles to one graph (fullgraph=True: no break at the
+    mixers), with the eager model's loss and gradients."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config("kla", chunk_size=64, backend="triton"))
+    idx, tgt = torch.randint(m.config.vocab_size, (2, 2, 70)).unbind(0)
+    _, loss = m(idx, tgt)
+    ref = torch.autograd.grad(loss, list(m.parameters()))
+    _, loss_c = torch.compile(m, backend="aot_eager", fullgraph=True)(idx, tgt)
+    grads = torch.autograd.grad(loss_c, list(m.parameters()))
+    assert abs(loss_c.item() - loss.item()) < 1e-6
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(grads, ref))
+
 def test_model_on_the_kernel_matches_the_reference_path():
     """The whole model with backend='triton' (here in the interpreter): logits, gradients, and generation
     through the kernel's decoding step."""
