@@ -947,12 +947,16 @@ def _chunk_setup_context(ctx, inputs, output):
     q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, _, kaczmarz, _, N, n_state = inputs
     ctx.save_for_backward(q, k, v, g, eta, *output[2:], cu, cs, order, cr)
     ctx.meta = (scale, eps, kaczmarz, h0 is not None, N, n_state)
+    # no zero gradients made for the outputs kept for the backward, nor for o or the final state left unused
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)
 
 
 def _chunk_grad(ctx, do, dht, *_):
     q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, cr = ctx.saved_tensors
     scale, eps, kaczmarz, has_h0, N, n_state = ctx.meta
     dht = dht if dht is not None and dht.numel() else None  # no final state, or not used
+    do = torch.zeros_like(v) if do is None else do  # only the final state used (o is shaped and typed as v)
     dq, dk, dv, dg, deta, dh0 = _chunk_backward_op(do.contiguous(), dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs,
                                                    order, cr, scale, eps, kaczmarz, has_h0, N, n_state)
     return (dq, dk, dv, dg, deta, dh0 if has_h0 else None) + (None,) * 11

@@ -980,6 +980,20 @@ def test_kernel_operator_registration():
                                                  *args[1]))
 
 
+def test_kernel_gradient_through_one_output_alone():
+    """A loss on the final state alone, or on o alone with the final state returned: the kernel's gradients equal
+    the float64 reference's (the unused output's gradient is left out, not made of zeros)."""
+    inputs = make_inputs(B=2, T=70, K=16, V=8, norm_range=(0.3, 3.0))
+    for pick in (1, 0):
+        grads = []
+        for fn, xs in ((kla_chunkwise, inputs), (kernel.kla_chunk, [x.float() for x in inputs])):
+            xs = [x.detach().requires_grad_(True) for x in xs]
+            out = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
+            gs = torch.autograd.grad(out[pick].square().sum(), xs, allow_unused=True)  # q: no part in the state
+            grads.append([torch.zeros_like(x) if d is None else d for d, x in zip(gs, xs)])
+        assert all(torch.equal(a, b) if not b.any() else rel_err(a, b) < 1e-4 for a, b in zip(grads[1], grads[0]))
+
+
 def test_model_compiles_to_one_graph_with_the_kernel():
     """With the kernel as an operator the whole model compiles to one graph (fullgraph=True: no break at the
     mixers), with the eager model's loss and gradients."""
