@@ -15,7 +15,8 @@ Sections (comma-separated; default kernel,decode):
   tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
   tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
-          (--mixers=attn,kla,gdn,kla:recompute), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
+          (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, their GPTConfig
+          switches), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
           training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
           and fla's GatedDeltaNet LM of this width in two head shapes (V 256: fla's kernels; V 128: FlashQLA's),
@@ -415,12 +416,14 @@ def model_configs(smoke):
 
 
 def train_model(mixer, block_size, device, compiled=False, smoke=None):
-    """mixer: 'kla', 'gdn', 'attn', or one with ':recompute' (GPTConfig.recompute) or ':budget=F' (compiled with
+    """mixer: 'kla', 'gdn', 'attn', then ':'-separated GPTConfig switches set True (':recompute',
+    ':recompute_elementwise', ':fused_loss') and last ':budget=F' (compiled with
     torch._functorch.config.activation_memory_budget = F: the partitioner recomputes to keep that share of the
     activations; set by section_train before the first step, which compiles)."""
     cfg, _ = model_configs(smoke if smoke is not None else device != "cuda")
-    mixer, _, how = mixer.partition(":")
-    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, recompute=how == "recompute", **cfg)).to(device)
+    mixer, *how = mixer.split(":")
+    switches = {s: True for s in how if not s.startswith("budget=")}
+    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **switches, **cfg)).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
     if compiled:  # in place: model stays the GPT, with get_num_params and flops_per_token. Static shapes,
@@ -715,8 +718,12 @@ def section_prefill(device, smoke):
                 if device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                with torch.no_grad():  # CUDA graphs: two runs to warm up, the third records
-                    ms = median_ms(lambda x=idx: fn(x), device, warmup=3 if compiled == "graphs" else 1, reps=3)
+                try:
+                    with torch.no_grad():  # CUDA graphs: two runs to warm up, the third records
+                        ms = median_ms(lambda x=idx: fn(x), device, warmup=3 if compiled == "graphs" else 1, reps=3)
+                except RuntimeError as err:  # reported as nan, the error printed
+                    print(f"{mixer}{label} {how} T={T}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                    ms = float("nan")
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 rows.append([mixer + label, how, T, ms, mem])
                 print(rows[-1], flush=True)

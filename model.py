@@ -334,6 +334,11 @@ class GPTConfig:
     dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
     recompute: bool = False    # training: each block's mixer branch recomputed in the backward instead of its
                                # activations kept (torch.utils.checkpoint): less memory, one more mixer forward
+    recompute_elementwise: bool = False  # training, KLA / GDN: only the elementwise work around the kernel
+                               # recomputed in the backward (DeltaMixer.inputs, .gated), no kernel or matmul run again
+    fused_loss: bool = False   # training (with targets and autograd): the loss and its gradient computed in the forward
+                               # a chunk of rows at a time (FusedCrossEntropy), no (B, T, vocab) logits kept; the
+                               # forward then returns logits None
 
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
@@ -341,6 +346,8 @@ class GPTConfig:
         if self.step_rule not in ("", *STEP_RULES) or (self.step_rule and self.mixer == "attn"):
             raise ValueError(f"step_rule must be '' (the mixer's own) or, with mixer 'kla' or 'gdn', one of "
                              f"{', '.join(STEP_RULES)}; got {self.step_rule!r} with mixer {self.mixer!r}")
+        if self.recompute_elementwise and self.mixer == "attn":
+            raise ValueError("recompute_elementwise is for the KLA / GDN layer (mixer 'kla' or 'gdn'), not 'attn'")
         if not isinstance(self.decay, bool) or (not self.decay and self.mixer == "attn"):
             raise ValueError(f"decay must be True or False (False only with mixer 'kla' or 'gdn'); got {self.decay!r} "
                              f"with mixer {self.mixer!r}")
@@ -449,20 +456,42 @@ class DeltaMixer(nn.Module):
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
+        self.recompute = config.recompute_elementwise
 
     def forward(self, x, cache=None, cu_seqlens=None):
         """x (B, T, C); cache: this layer's decoding state, read and updated in place; cu_seqlens: packed
         documents in a batch of 1, the state and the convolutions reset at each (with an empty cache: it is left
         holding each document's own state, a batch of N)."""
         B, T, _ = x.shape
-        H, dk, dv = self.n_head, self.dk, self.dv
         st = {} if cache is None else cache
         q, k, v, gate, b, a, _ = self.in_proj(x).split(self.split, -1)
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        q, k, v, g, eta = self.elementwise(recompute, self.inputs, q, k, v, b, a, cache, cu_seqlens)
+        if cache is not None:  # contiguous buffers, which the fused decoding step updates in place
+            st["q_conv"], st["k_conv"], st["v_conv"] = (st[n].contiguous() for n in ("q_conv", "k_conv", "v_conv"))
+        o, st["state"] = linear_attention(q, k, v, g, eta, backend=self.backend, eps=self.eps,
+                                          initial_state=st.get("state"), output_final_state=cache is not None,
+                                          rule=self.rule, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+        return self.o_proj(self.elementwise(recompute, self.gated, o, gate, x.dtype).reshape(B, T, -1))
+
+    @staticmethod
+    def elementwise(recompute, fn, *args):
+        """fn(*args); with recompute (recompute_elementwise, training) recomputed in the backward instead of its
+        activations kept. tools/train_memory.py, bf16 autocast, bytes kept a token and layer: eager, inputs keeps
+        in_proj's output (6944) in place of 10716, gated the kernel's output (2304) in place of 23096 (the layer
+        46.6 KB -> 22.0 KB, of which the kernel's own 8.9 KB); compiled, whose partitioner recomputes some of it
+        already, 4.7 KB less."""
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
+
+    def inputs(self, q, k, v, b, a, cache, cu_seqlens):
+        """The kernel's q, k, v (B, T, H, d), g and eta (B, T, H) from in_proj's outputs: the short convolutions (their
+        decoding states into cache), q's (and for 'unit' k's) normalisation, the step size's eta and the decay."""
+        B, T, _ = q.shape
+        st = {} if cache is None else cache
+        H, dk, dv = self.n_head, self.dk, self.dv
         q, st["q_conv"] = self.q_conv(q, st.get("q_conv"), cu_seqlens)
         k, st["k_conv"] = self.k_conv(k, st.get("k_conv"), cu_seqlens)
         v, st["v_conv"] = self.v_conv(v, st.get("v_conv"), cu_seqlens)
-        if cache is not None:  # contiguous buffers, which the fused decoding step updates in place
-            st["q_conv"], st["k_conv"], st["v_conv"] = (st[n].contiguous() for n in ("q_conv", "k_conv", "v_conv"))
         # (B, T, H, dk); back to v's dtype, since CUDA autocast runs the norm in float32
         q = F.normalize(q.reshape(B, T, H, dk), dim=-1).to(v.dtype)
         k = k.reshape(B, T, H, dk)  # KLA: raw keys, that is the point
@@ -477,11 +506,11 @@ class DeltaMixer(nn.Module):
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         else:
             g = eta.new_zeros(B, T, H)
-        o, st["state"] = linear_attention(q, k, v, g, eta, backend=self.backend, eps=self.eps,
-                                          initial_state=st.get("state"), output_final_state=cache is not None,
-                                          rule=self.rule, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
-        o = self.o_norm(o.to(x.dtype)) * F.silu(gate.reshape(B, T, H, dv))
-        return self.o_proj(o.reshape(B, T, H * dv))
+        return q, k, v, g, eta
+
+    def gated(self, o, gate, dtype):
+        """The heads' outputs o (B, T, H, dv) in dtype (the layer input's), normalised and gated by SiLU of gate."""
+        return self.o_norm(o.to(dtype)) * F.silu(gate.reshape(o.shape))
 
 
 @torch.compiler.disable  # one Triton kernel, which updates the cache's buffers in place
@@ -603,6 +632,39 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+LOSS_CHUNK = 2**27  # FusedCrossEntropy's logits a chunk: 2,668 rows at vocabulary 50304, ~1.5 GB of temporaries eager
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of F.linear(x, weight) (x (N, C), the tied lm_head's weight (vocab, C)) against targets
+    (N,) (-1 ignored), as GPT.forward computes it, with its gradients computed in the forward a chunk of rows at a
+    time: only the gradients are kept for the backward (N x C and vocab x C, float32), not the logits and their
+    float32 log-softmax (GPTConfig.fused_loss; at vocabulary 50304 and bf16 autocast 3 KB a token kept in place of
+    201 KB, 13 GB at 32 x 2048 tokens, and no logits-sized gradients in the backward). The same matmuls as without
+    it, none run again."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets):
+        n, loss, rows = (targets != -1).sum(), 0.0, max(1, LOSS_CHUNK // weight.shape[0])
+        dx, dw = torch.empty_like(x), torch.zeros_like(weight)
+        for i in range(0, x.shape[0], rows):
+            xi, t = x[i:i + rows], targets[i:i + rows]
+            logits = F.linear(xi, weight)  # bf16 under autocast, as lm_head's
+            z, at, valid = logits.float(), t.clamp_min(0)[:, None], (t != -1)[:, None]
+            lse = z.logsumexp(-1, keepdim=True)
+            loss = loss + ((lse - z.gather(1, at)) * valid).sum()
+            dz = ((z - lse).exp().scatter_add(1, at, -valid.to(z.dtype)) * (valid / n)).to(logits.dtype)  # (p - 1t)/n
+            dx[i:i + rows] = dz @ weight
+            dw += dz.t() @ xi
+        ctx.save_for_backward(dx, dw)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx, dw = ctx.saved_tensors
+        return dx * grad, dw * grad, None
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -669,6 +731,8 @@ class GPT(nn.Module):
         if targets is None:
             last = x[:, -1:, :] if cu_seqlens is None else x[0, cu_seqlens[1:].long() - 1, None]  # (B or N, 1, C)
             return self.lm_head(last), None
+        if self.config.fused_loss and torch.is_grad_enabled():  # training: no logits kept, none returned
+            return None, FusedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss

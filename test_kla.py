@@ -2416,3 +2416,62 @@ def test_experiments_collects_the_test_loss(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "res" / "lm.csv")))
     assert [(r["mixer"], r["test_loss@512"], r["val_loss@512"]) for r in rows] == [("kla", "1.5000", "1.6000")]
     assert "skipped lm-gdn-1: its eval.json has no test_loss" in p.stdout and "| kla | 1 | 1.50 |" in p.stdout
+
+
+# -----------------------------------------------------------------------------
+# Training memory switches: GPTConfig.recompute_elementwise and fused_loss change what the forward keeps for the
+# backward, not the loss or the gradients
+
+
+def loss_and_grads(m, idx, targets, cu_seqlens=None, seed=5):
+    torch.manual_seed(seed)  # the same dropout masks
+    loss = m(idx, targets, cu_seqlens=cu_seqlens)[1]
+    return [loss.detach(), *torch.autograd.grad(loss, list(m.parameters()))]
+
+
+@pytest.mark.parametrize("mixer,backend,packed", [("kla", "chunkwise", False), ("kla", "triton", False),
+                                                  ("kla", "chunkwise", True), ("kla", "triton", True),
+                                                  ("gdn", "chunkwise", False), ("gdn", "chunkwise", True),
+                                                  ("attn", "chunkwise", False), ("attn", "chunkwise", True)])
+@pytest.mark.parametrize("switch", ["recompute_elementwise", "fused_loss", "both"])
+def test_memory_switches_same_loss_and_gradients(mixer, backend, packed, switch, monkeypatch):
+    """Each switch gives the loss and every parameter's gradient of the model without it (float32, dropout on,
+    ignored targets among them; packed documents too), and keeps fewer bytes for the backward."""
+    if mixer == "attn" and switch != "fused_loss":
+        with pytest.raises(ValueError, match="recompute_elementwise is for the KLA / GDN layer"):
+            GPTConfig(mixer="attn", recompute_elementwise=True)
+        return
+    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # chunks of 7 rows: several, the last shorter
+    switches = ["recompute_elementwise", "fused_loss"] if switch == "both" else [switch]
+    cfg = dict(dropout=0.1, chunk_size=8, backend=backend)
+    plain, lean = GPT(tiny_config(mixer, **cfg)), GPT(tiny_config(mixer, **cfg, **dict.fromkeys(switches, True)))
+    lean.load_state_dict(plain.state_dict())
+    idx, targets = torch.randint(0, 61, (2, 1 if packed else 2, DOCS[-1] if packed else 40))
+    targets[0, :3] = -1
+    cu_seqlens = DOCS if packed else None
+    kept = []
+    for m in (plain, lean):
+        weights, nbytes = {p.data_ptr() for p in m.parameters()}, []
+        keep = lambda t: nbytes.append(0 if t.data_ptr() in weights else t.nbytes) or t  # activations only
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            m(idx, targets, cu_seqlens=cu_seqlens)
+        kept.append(sum(nbytes))
+    for a, b in zip(loss_and_grads(plain, idx, targets, cu_seqlens), loss_and_grads(lean, idx, targets, cu_seqlens),
+                    strict=True):
+        assert rel_err(b, a) < 1e-5
+    assert kept[1] < kept[0], kept
+
+
+def test_fused_loss_only_when_training():
+    """fused_loss: with gradients the forward returns no logits (none are kept); without (evaluation), the logits
+    and the same loss as before; every target ignored gives the same NaN loss as F.cross_entropy's mean."""
+    plain, fused = GPT(tiny_config("kla")), GPT(tiny_config("kla", fused_loss=True))
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 61, (2, 20))
+    logits, loss = fused(idx, idx)
+    assert logits is None and loss.requires_grad
+    assert rel_err(loss, plain(idx, idx)[1]) < 1e-6
+    with torch.no_grad():
+        (want, want_loss), (got, got_loss) = plain(idx, idx), fused(idx, idx)
+    assert torch.equal(got, want) and torch.equal(got_loss, want_loss)
+    assert fused(idx, torch.full_like(idx, -1))[1].isnan() and plain(idx, torch.full_like(idx, -1))[1].isnan()
