@@ -15,7 +15,7 @@ it first; the weights are left out, and tensors of a weight's shape
 (autocast's bf16 copies, fused_loss's weight gradient) are one row, per step rather than per token (a batch_size x
 block_size equal to a weight's dimension would confuse the two). Tensors kept by torch.utils.checkpoint for its
 recomputation are counted under the module that called it ('... checkpoint inputs'). In compiled code the saved
-tensors are not split by module: one row for the compiled graphs, one for the kernel's own (run uncompiled).
+tensors are not split by module (the kernel's included: the model compiles to one graph): one row.
 Bytes per token and layer transfer between sizes; some dtypes do not between devices: CUDA autocast runs
 F.normalize (q; k too for GDN) in float32 where CPU autocast keeps bfloat16 (the residual stream and the norms on it
 are float32 in both), the CPU's attention (SDPA's math path) keeps the T x T probabilities where CUDA's flash
@@ -109,7 +109,6 @@ def record(t, where=None):
     return t
 
 
-@torch.compiler.disable  # run as it is in compiled code too, so that the kernel's saves get its label
 def kernel_call(*args, **kw):  # model.linear_attention: the kernel's own saves, then the mixer's ops after it
     stack.append("mixer: the kernel (" + kw.get("backend", "?") + ")")
     try:
@@ -126,7 +125,6 @@ def checkpoint_call(fn, *args, **kw):  # what torch.utils.checkpoint keeps to re
 
 
 plain_linear_attention, plain_checkpoint = kla_model.linear_attention, torch.utils.checkpoint.checkpoint
-kla_model.linear_attention = kernel_call
 
 
 def saved_tensors(m, forward, compiled):
@@ -145,12 +143,12 @@ def saved_tensors(m, forward, compiled):
 
     if not compiled:
         hooks = [h for mod in names for h in (mod.register_forward_pre_hook(pre), mod.register_forward_hook(post))]
-        torch.utils.checkpoint.checkpoint = checkpoint_call
+        kla_model.linear_attention, torch.utils.checkpoint.checkpoint = kernel_call, checkpoint_call
     try:
         with torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(record), lambda t: t):
             return forward()
     finally:
-        torch.utils.checkpoint.checkpoint = plain_checkpoint
+        kla_model.linear_attention, torch.utils.checkpoint.checkpoint = plain_linear_attention, plain_checkpoint
         for h in hooks:
             h.remove()
 
