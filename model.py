@@ -480,7 +480,7 @@ class DeltaMixer(nn.Module):
         activations kept. tools/train_memory.py, bf16 autocast, bytes kept a token and layer: eager, inputs keeps
         in_proj's output (6944) in place of 10716, gated the kernel's output (2304) in place of 23096 (the layer
         46.6 KB -> 22.0 KB, of which the kernel's own 8.9 KB); compiled, whose partitioner recomputes some of it
-        already, 4.7 KB less."""
+        already, 9.4 KB less."""
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
 
     def inputs(self, q, k, v, b, a, cache, cu_seqlens):
@@ -640,8 +640,8 @@ class FusedCrossEntropy(torch.autograd.Function):
     (N,) (-1 ignored), as GPT.forward computes it, with its gradients computed in the forward a chunk of rows at a
     time: only the gradients are kept for the backward (N x C and vocab x C, float32), not the logits and their
     float32 log-softmax (GPTConfig.fused_loss; at vocabulary 50304 and bf16 autocast 3 KB a token kept in place of
-    201 KB, 13 GB at 32 x 2048 tokens, and no logits-sized gradients in the backward). The same matmuls as without
-    it, none run again."""
+    201 KB eager, of 101 KB (the bf16 logits) compiled, and no logits-sized gradients in the backward). The same
+    matmuls as without it, none run again."""
 
     @staticmethod
     def forward(ctx, x, weight, targets):
