@@ -23,6 +23,7 @@ Sections (comma-separated; default kernel,decode):
           eager and compiled, when flash-linear-attention imports (--fla_lm=0: not).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens (--lengths), KLA against attention: latency and peak memory;
+          KLA also in segments of 8192 (plain, and from model.prefill's CUDA graph of a segment);
           --compile_infer=0,1,graphs: eager, compiled, compiled and replayed from CUDA graphs.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
@@ -710,9 +711,13 @@ def section_prefill(device, smoke):
     rows = []
     for compiled in infer_modes():
         label = {False: "", True: " (compiled)", "graphs": " (compiled, CUDA graphs)"}[compiled]
-        for mixer, how in (("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")):
+        runs = [("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")]
+        if compiled != "graphs":  # model.prefill's own CUDA graph of a segment
+            runs.append(("kla", f"segments of {seg}, CUDA graph"))
+        for mixer, how in runs:
             model, vocab = eval_model(mixer, device, smoke, compiled)
-            fn = model if how == "one pass" else (lambda x, m=model: m.prefill(x, m.new_cache(), seg))
+            graph = how.endswith("CUDA graph")
+            fn = model if how == "one pass" else (lambda x, m=model: m.prefill(x, m.new_cache(), seg, graph))
             for T in lengths:
                 idx = torch.randint(vocab, (1, T), device=device)
                 if device == "cuda":

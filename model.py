@@ -676,6 +676,7 @@ class GPT(nn.Module):
         self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.segment_graphs = {}  # prefill's CUDA-graph steps, made once per shape (prefill with cuda_graph)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("o_proj.weight") or name.endswith("mlp.down.weight"):
@@ -831,14 +832,14 @@ class GPT(nn.Module):
         """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
         path, in segments of prefill_chunk tokens for KLA / GDN (the state carried across them, so that
         memory does not grow with the prompt); every later token costs O(1) from the carried state
-        (attention: its KV cache). cuda_graph: replay each decoding step from a CUDA graph (KLA / GDN on
-        CUDA), without per-kernel launch costs. idx may also be a list of N 1-D prompts of different lengths
+        (attention: its KV cache). cuda_graph: replay each decoding step, and a long prompt's segments, from
+        CUDA graphs (KLA / GDN on CUDA), without per-kernel launch costs. idx may also be a list of N 1-D prompts of different lengths
         (KLA / GDN): they are read in one pass, packed (cu_seqlens), then decoded together as a batch of N."""
         cache = self.new_cache()
         if isinstance(idx, (list, tuple)):
             logits = self.prefill_packed(idx, cache)
         else:
-            logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk)
+            logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk, cuda_graph)
         step = self.decode_step(cache, logits.shape[0], cuda_graph) if max_new_tokens > 1 else None
         for i in range(max_new_tokens):
             logits = logits[:, -1, :].float()
@@ -855,10 +856,30 @@ class GPT(nn.Module):
                 logits = step(idx_next)
 
     @torch.no_grad()
-    def prefill(self, idx, cache, segment):
+    def prefill(self, idx, cache, segment, cuda_graph=False):
         """Read idx (B, T) into cache in segments of `segment` tokens, the state carried across them;
-        the logits of the last position."""
-        for s in range(0, idx.shape[1], segment):
+        the logits of the last position. cuda_graph (KLA / GDN, at least three full segments): the full segments
+        after the first replayed from one CUDA graph (decode_step for `segment` tokens; no launch work on the host),
+        made once per batch, segment and weights and kept in segment_graphs for later prompts."""
+        B, T = idx.shape
+        logits, _ = self(idx[:, :segment], cache=cache)  # from the empty cache, which then holds its buffers
+        s, n_full = segment, (T - segment) // segment
+        if cuda_graph and self.config.mixer != "attn" and n_full >= 2:
+            key = (B, segment, self.wte.weight.dtype, self.wte.weight.data_ptr())
+            if key not in self.segment_graphs:
+                static = [{k: v.clone() for k, v in c.items()} for c in cache]
+                self.segment_graphs[key] = static, self.decode_step(static, B, cuda_graph=True, length=segment)
+            static, step = self.segment_graphs[key]
+            for buffers, c in zip(static, cache):
+                for k, buf in buffers.items():
+                    buf.copy_(c[k])
+            for s in range(s, s + n_full * segment, segment):
+                logits = step(idx[:, s:s + segment])
+            s += segment
+            for buffers, c in zip(static, cache):  # the cache's own copies: the graph's buffers serve the next prompt
+                c.update({k: buf.clone() for k, buf in buffers.items()})
+            logits = logits.clone()
+        for s in range(s, T, segment):
             logits, _ = self(idx[:, s:s + segment], cache=cache)
         return logits
 
@@ -876,8 +897,8 @@ class GPT(nn.Module):
         cu_seqlens = lens.cumsum(0).to(device=prompts[0].device, dtype=torch.int32)
         return self(torch.cat(prompts)[None], cache=cache, cu_seqlens=cu_seqlens)[0]
 
-    def decode_step(self, cache, batch, cuda_graph=False):
-        """A function token (B, 1) -> logits (B, 1, vocab) that advances cache by one token. With
+    def decode_step(self, cache, batch, cuda_graph=False, length=1):
+        """A function tokens (B, length) -> logits (B, 1, vocab) that advances cache by length tokens. With
         cuda_graph, the state lives in fixed buffers updated in place (the forward's new state is copied
         back into them), so that the step is captured once and replayed (on CUDA; elsewhere the same
         in-place step runs directly)."""
@@ -885,7 +906,7 @@ class GPT(nn.Module):
             return lambda tok: self(tok, cache=cache)[0]
         if self.config.mixer == "attn":
             raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
-        tok = torch.zeros(batch, 1, dtype=torch.long, device=self.wte.weight.device)
+        tok = torch.zeros(batch, length, dtype=torch.long, device=self.wte.weight.device)
 
         def step():
             new = [dict(c) for c in cache]  # the forward reads the buffers and puts its new state here

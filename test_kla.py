@@ -530,6 +530,21 @@ def test_prefill_in_segments(mixer):
     assert rel_err(c2[1]["state"], c1[1]["state"]) < 1e-5
 
 
+def test_prefill_segments_from_one_graph():
+    """prefill with cuda_graph: the full segments after the first through decode_step's in-place step for a
+    segment (a CUDA graph on CUDA, run directly here), kept on the model and used again for the next prompt: the
+    same logits and cache as plain segments."""
+    torch.manual_seed(3)
+    m = GPT(tiny_config("kla")).eval()
+    for T in (16 * 3 + 5, 16 * 4):
+        prompt = torch.randint(0, 61, (2, T))
+        c1, c2 = m.new_cache(), m.new_cache()
+        plain, graphed = m.prefill(prompt, c1, 16), m.prefill(prompt, c2, 16, cuda_graph=True)
+        assert rel_err(graphed, plain) < 1e-6
+        assert all(rel_err(a[k], b[k]) < 1e-6 for a, b in zip(c2, c1) for k in a)
+    assert len(m.segment_graphs) == 1
+
+
 @pytest.mark.parametrize("mixer", ["kla", "gdn"])
 def test_in_place_decoding_step(mixer):
     """The decoding step behind cuda_graph=True (state buffers updated in place; captured on CUDA, run

@@ -78,6 +78,10 @@ conv_size = 4
 mlp_hidden = 0  # SwiGLU width; 0: 8/3 n_embd rounded up to a multiple of 64
 chunk_size = 64
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
+# memory: at GPT-2 small's size, 32 x 2048 tokens, compiled on an H200, KLA with both peaks at 42.0 GiB against 54.8
+# at 1.016x the tokens/s (BENCHMARKS.md); they change how the step is computed, not what, and may change on resuming
+recompute_elementwise = False  # KLA / GDN: the layer's elementwise work recomputed in the backward, not kept
+fused_loss = False  # the loss and its gradient computed in the forward in chunks of rows: no logits kept
 # AdamW optimizer
 learning_rate = 1e-3 if _gpu else 2e-3
 max_iters = 2000 if _gpu else 500
@@ -154,7 +158,8 @@ config = {k: globals()[k] for k in config_keys}  # the resolved config, saved in
 # the model's own checks (e.g. n_embd divisible by n_head); the vocabulary comes from the data, below
 model_args = dict(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mixer=mixer,
                   step_rule=step_rule, decay=decay, expand_k=expand_k, expand_v=expand_v, conv_size=conv_size,
-                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend, dropout=dropout)
+                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend, dropout=dropout,
+                  recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
 try:
     GPTConfig(**model_args)
 except ValueError as err:
@@ -285,7 +290,7 @@ if init_from == "resume":
     # checkpoint lacks (saved before the field existed) has its default
     saved = {k: checkpoint["model_args"].get(k, getattr(GPTConfig, k, None)) for k in model_args}
     differ = [f"{k}={saved[k]!r} (this run: {v!r})" for k, v in model_args.items()
-              if k not in ("backend", "dropout") and saved[k] != v]
+              if k not in ("backend", "dropout", "recompute_elementwise", "fused_loss") and saved[k] != v]
     if differ:
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -298,7 +303,8 @@ try:
 except ValueError as err:
     fail(str(err))
 try:
-    model = GPT.from_checkpoint(checkpoint, backend=backend, dropout=dropout) if init_from == "resume" else GPT(gptconf)
+    how = dict(backend=backend, dropout=dropout, recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
+    model = GPT.from_checkpoint(checkpoint, **how) if init_from == "resume" else GPT(gptconf)
 except ValueError as err:
     fail(f"{ckpt_path}: {err}")
 model.to(device)
