@@ -855,8 +855,7 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, c
     V = v.shape[-1]
     C, BK = C_CHUNK, _block_k(K)
     Tp, varlen = N * C, cu is not None
-    dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
-    do = do.contiguous()
+    dev, prec, dt = q.device, _prec(q), _dot_dtype(q)  # do contiguous (_chunk_grad)
     dv = torch.empty_like(v)
     dhs = torch.empty_like(hs)
     dh0 = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
