@@ -24,7 +24,8 @@ Sections (comma-separated; default kernel,decode):
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens (--lengths), KLA against attention: latency and peak memory;
           KLA also in segments of 8192 (plain, and from model.prefill's CUDA graph of a segment);
-          --compile_infer=0,1,graphs: eager, compiled, compiled and replayed from CUDA graphs.
+          --compile_infer=0,1,graphs: eager, compiled, compiled and replayed from CUDA graphs; --mixers=kla,gdn:
+          one pass of these mixers only.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
@@ -714,6 +715,8 @@ def section_prefill(device, smoke):
         runs = [("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")]
         if compiled != "graphs":  # model.prefill's own CUDA graph of a segment
             runs.append(("kla", f"segments of {seg}, CUDA graph"))
+        if ARGS.get("mixers"):  # --mixers=kla,gdn: one pass of each of these only
+            runs = [(mixer, "one pass") for mixer in ARGS["mixers"].split(",")]
         for mixer, how in runs:
             model, vocab = eval_model(mixer, device, smoke, compiled)
             graph = how.endswith("CUDA graph")
@@ -763,8 +766,8 @@ def section_generate(device, smoke):
     rows = []
     runs = [("kla", True, 0, c) for c in infer_modes() if c != "graphs"] + [("kla", False, 0, False), ("attn", False, 0, False),
                                                           ("attn", False, 1, False)]
-    if ARGS.get("mixers"):  # --mixers=kla: only these mixers' rows
-        runs = [r for r in runs if r[0] in ARGS["mixers"].split(",")]
+    if ARGS.get("mixers"):  # --mixers=kla: only these mixers' rows; gdn: as KLA's first rows
+        runs = [r for r in runs + [("gdn",) + r[1:] for r in runs[:len(infer_modes())]] if r[0] in ARGS["mixers"].split(",")]
     for mixer, graph, all_backends, compiled in runs:
         model, vocab = eval_model(mixer, device, smoke, compiled)
         saved = model_module.SDPA_BACKENDS

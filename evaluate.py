@@ -41,6 +41,7 @@ factors = "1,2,4,8,16"  # language modelling: multiples of the training context
 eval_batches = 10  # language modelling: batches of windows at each length
 max_examples = 0  # synthetic recall: at most this many test examples at each length; 0 for all
 documents = False  # language modelling: each window read as its documents (see train.py), one window per pass
+padded = False  # language modelling: also each test document alone, padded with end-of-text tokens (lm_padded)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
@@ -73,14 +74,14 @@ model.set_backend(device_type)
 meta, config = checkpoint["meta"], checkpoint["config"]
 block_size = checkpoint["model_args"]["block_size"]
 data_path = os.path.join(data_dir or config["data_dir"], config["dataset"])
-if documents:  # the end-of-text token of the data read here
+if documents or padded:  # the end-of-text token of the data read here
     try:
         with open(os.path.join(data_path, "meta.json")) as f:
             eot = json.load(f).get("eot")
     except (OSError, ValueError, AttributeError):
         eot = None
     if eot is None:
-        fail(f"documents=True needs the end-of-text token that ends each document, and {data_path}/meta.json names "
+        fail(f"documents=True and padded=True need the end-of-text token that ends each document, and {data_path}/meta.json names "
              f"none: prepare the data again (python prepare_data.py --dataset={config['dataset']}); "
              "shakespeare_char and the synthetic tasks have none")
 if "test_lengths" not in meta:  # language modelling: the numbers reported come from the test split
@@ -167,9 +168,35 @@ def lm_loss(split, length):
     return total / count, count
 
 
+def lm_padded(length):
+    """Each test document from its start in a window of its own, cut at length tokens or padded to length with
+    end-of-text tokens, as in validation files whose rows are padded after the end of the text: the mean loss over
+    every position (the padding's targets counted, which KLA's paper's 8.09 / 8.50 validation perplexities appear
+    to do) and over the document's own targets only (its tokens and the end-of-text that ends it); and the share
+    of padding among the targets."""
+    data = np.asarray(read("test.bin", np.dtype(meta["dtype"]), 0), dtype=np.int64)
+    ends = np.flatnonzero(data == eot)
+    starts = np.concatenate([[0], ends + 1])[:len(ends)]  # a document: its tokens and the end-of-text after it
+    windows = np.full((len(starts), length + 1), eot, dtype=np.int64)
+    real = np.zeros((len(starts), length), dtype=bool)  # the targets that are the document's own
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        n = min(e + 1 - s, length + 1)
+        windows[i, :n] = data[s:s + n]
+        real[i, :n - 1] = True
+    losses = []
+    for i in range(0, len(windows), batch_size):
+        w = windows[i:i + batch_size]
+        losses.append(torch.cat([F.cross_entropy(logits.transpose(1, 2), Y, reduction="none").cpu()
+                                 for logits, Y in segments(w[:, :-1], w[:, 1:])], 1))
+    loss, real = torch.cat(losses), torch.from_numpy(real)
+    return {"padded_loss": loss.mean().item(), "document_loss": loss[real].mean().item(),
+            "padding_share": 1 - real.float().mean().item(), "documents": len(windows)}
+
+
 def lm_losses(length):
     (test_loss, tokens), (val_loss, _) = lm_loss("test", length), lm_loss("val", length)
-    return {"length": length, "test_loss": test_loss, "val_loss": val_loss, "tokens": tokens}
+    return {"length": length, "test_loss": test_loss, "val_loss": val_loss, "tokens": tokens,
+            **(lm_padded(length) if padded else {})}
 
 
 if "test_lengths" in meta:
@@ -177,7 +204,7 @@ if "test_lengths" in meta:
     columns = ["accuracy"]
 else:
     results = [lm_losses(int(f) * block_size) for f in factors.split(",")]
-    columns = ["test_loss", "val_loss"]
+    columns = ["test_loss", "val_loss"] + ["padded_loss", "document_loss", "padding_share"] * padded
 name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained at {block_size} tokens" \
     + (", read as documents" if documents else "")
 print(f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c in columns)} |\n|---|---|"
@@ -187,6 +214,6 @@ for r in results:
 try:
     with open(os.path.join(out_dir, "eval.json"), "w") as f:
         json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
-                   "iter_num": checkpoint["iter_num"], "documents": documents, "results": results}, f, indent=1)
+                   "iter_num": checkpoint["iter_num"], "documents": documents, "padded": padded, "results": results}, f, indent=1)
 except OSError as err:
     fail(f"cannot write {os.path.join(out_dir, 'eval.json')}: {err.strerror}")

@@ -222,7 +222,23 @@ def summary(task, column, rows):
         v = np.array(vals) * (100 if column == "accuracy" else 1)
         cells = [f"{m:.2f} ± {sd:.2f}" if len(v) > 1 else f"{m:.2f}" for m, sd in zip(v.mean(0), spread(v))]  # no spread of one
         lines.append(f"| {mixer} | {len(v)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + paired(rows, column, lengths))
+
+
+def paired(rows, column, lengths, a="kla", b="gdn"):
+    """Table lines of a - b seed by seed (the same seed: the same batches for both), where both ran a seed: the
+    mean difference ± its sample std over seeds, and in how many seeds a is ahead (higher accuracy, lower loss)."""
+    import numpy as np
+    runs = {(r["mixer"], r.get("seed")): r for r in rows if not r.get("step_rule")}
+    seeds = sorted({s for m, s in runs if m == a and s} & {s for m, s in runs if m == b and s}, key=int)
+    if len(seeds) < 2:
+        return []
+    d = np.array([[float(runs[a, s][f"{column}@{n}"]) - float(runs[b, s][f"{column}@{n}"]) for n in lengths]
+                  for s in seeds]) * (100 if column == "accuracy" else 1)
+    ahead = (d > 0) if column == "accuracy" else (d < 0)
+    return [f"| {a} - {b}, paired | {len(seeds)} | "
+            + " | ".join(f"{m:+.2f} ± {sd:.2f} ({k} of {len(seeds)} {a} ahead)"
+                         for m, sd, k in zip(d.mean(0), d.std(0, ddof=1), ahead.sum(0))) + " |"]
 
 
 def plot(task, column, rows, out):

@@ -1340,6 +1340,18 @@ def test_experiments_summary_gives_no_spread_for_one_seed():
     assert "| kla | 2 | 2.50 ± 0.71 |" in p.stdout and "| attn | 1 | 2.50 |" in p.stdout, p.stdout
 
 
+def test_experiments_summary_pairs_kla_and_gdn_seed_by_seed():
+    """With KLA and GDN run on the same seeds, the summary adds their difference seed by seed: its mean, sample std
+    and how many seeds KLA leads in (higher accuracy; for a loss, lower); seeds only one of them ran are left out."""
+    rows = [{"mixer": m, "seed": str(s), "accuracy@8": str(a)} for m, s, a in
+            [("kla", 1, 0.9), ("gdn", 1, 0.8), ("kla", 2, 0.5), ("gdn", 2, 0.7), ("kla", 3, 0.6), ("gdn", 3, 0.6),
+             ("kla", 4, 0.1)]]
+    p = run("-c", f"import sys; sys.argv = ['experiments.py']; import experiments; "
+                  f"print(experiments.summary('mqar', 'accuracy', {rows!r}))")
+    assert p.returncode == 0, p.stderr
+    assert "| kla - gdn, paired | 3 | -3.33 ± 15.28 (1 of 3 kla ahead) |" in p.stdout, p.stdout
+
+
 def test_experiments_resumes_a_stopped_run(tmp_path):
     """experiments.py prepares a task's data in --data_dir with --n_train examples, resumes a run that has a
     checkpoint but no eval.json (stopped by a deadline with --eval_stopped=False, or killed) instead of
@@ -1445,6 +1457,17 @@ def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
         res = json.loads((tmp_path / name / "eval.json").read_text())
         assert res["documents"] and [r["length"] for r in res["results"]] == [16, 32]
         assert all(0 < r["test_loss"] < 10 and r["tokens"] < 2 * r["length"] for r in res["results"])
+    # padded=True: each test document alone in a window, padded with end-of-text tokens to the length
+    p = run("evaluate.py", f"--out_dir={tmp_path / 'kla-False'}", "--device=cpu", "--dtype=float32", "--padded=True",
+            "--factors=1,2", "--eval_batches=1", "--batch_size=3")
+    assert p.returncode == 0, p.stderr
+    test = np.fromfile(os.path.join(tiny_documents, "docs", "test.bin"), dtype=np.uint16)
+    lengths = np.diff(np.concatenate([[-1], np.flatnonzero(test == 63)]))  # each document's tokens + its end
+    for r in json.loads((tmp_path / "kla-False" / "eval.json").read_text())["results"]:
+        own = np.minimum(lengths - 1, r["length"])  # the targets of a document within its window
+        assert r["documents"] == len(lengths)
+        assert r["padding_share"] == pytest.approx(1 - own.sum() / (len(lengths) * r["length"]), abs=1e-6)
+        assert 0 < r["document_loss"] < 10 and 0 < r["padded_loss"] < 10 and r["padded_loss"] != r["document_loss"]
 
 
 def test_documents_need_an_end_of_text_token(tiny_data, trained, tmp_path):
@@ -1452,7 +1475,8 @@ def test_documents_need_an_end_of_text_token(tiny_data, trained, tmp_path):
     assert_each_is_one_line("train.py", [("--documents=True", "names none: prepare the data again")], *TINY,
                             f"--data_dir={tiny_data}", f"--out_dir={tmp_path}")
     assert not os.path.exists(tmp_path / "ckpt.pt") and not os.path.exists(tmp_path / "log.jsonl")
-    assert_each_is_one_line("evaluate.py", [("--documents=True", "names none: prepare the data again")],
+    assert_each_is_one_line("evaluate.py", [("--documents=True", "names none: prepare the data again"),
+                                            ("--padded=True", "names none: prepare the data again")],
                             f"--out_dir={trained}", "--device=cpu")
 
 
