@@ -16,6 +16,8 @@ Tasks (their config file holds every hyper-parameter; flags after --train_args o
          half at 256 .. 2048
   lm     config/python_stdlib.py: GPT-2 BPE over the Python standard library, split by file; test loss (and
          val loss, which chose the rates) at 1x .. 16x
+  lm_large  config/python_code.py: GPT-2 small's size on every installed package's Python sources and the
+         standard library's (GPT-2 BPE, split by file), one pass at most; test loss at 1x .. 16x
   mqar_small, stack_small, palindrome_small  config/<task>.py: CPU-sized versions, to check the pipeline
 --step_rules: the layer of the one mixer in --mixers with each step-size rule in turn (train.py --step_rule, model.py's
 STEP_RULES; 'deltanet' is the rule 'unit' with --decay=False), a run each named <task>-<rule>-<seed>.
@@ -41,6 +43,7 @@ TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
          "stack": ("config/stack.py", "stack", "accuracy"),
          "palindrome": ("config/palindrome.py", "palindrome", "accuracy"),
          "lm": ("config/python_stdlib.py", "python_stdlib", "test_loss"),  # val_loss@<length> beside it
+         "lm_large": ("config/python_code.py", "python_code", "test_loss"),
          "mqar_small": ("config/mqar_small.py", "mqar_small", "accuracy"),
          "stack_small": ("config/stack_small.py", "stack_small", "accuracy"),
          "palindrome_small": ("config/palindrome_small.py", "palindrome_small", "accuracy")}
@@ -262,7 +265,8 @@ def plot(task, column, rows, out):
     ax.set_ylabel("accuracy (%)" if column == "accuracy" else "test loss (nats/token)")
     ax.set_title({"mqar": "MQAR (trained at 256)", "sniah": "S-NIAH proxy (trained at 1024)",
                   "stack": "Stack (trained at 1024)", "palindrome": "Palindrome (trained at 1024)",
-                  "lm": "Python stdlib LM (trained at 512)", "mqar_small": "small MQAR on a CPU (trained at 128)",
+                  "lm": "Python stdlib LM (trained at 512)", "lm_large": "Python code LM, 12 x 768 (trained at 1024)",
+                  "mqar_small": "small MQAR on a CPU (trained at 128)",
                   "stack_small": "small stack on a CPU (trained at 128)",
                   "palindrome_small": "small palindrome on a CPU (trained at 64)"}[task])
     ax.grid(alpha=0.3)

@@ -11,6 +11,7 @@ $ python prepare_data.py                                   # shakespeare_char (t
 $ python prepare_data.py --dataset=shakespeare             # the same text in GPT-2 BPE (tiktoken r50k_base)
 $ python prepare_data.py --dataset=fineweb_edu --max_tokens=100000000   # online: a FineWeb-Edu sample
 $ python prepare_data.py --dataset=python_stdlib           # this Python's standard library sources, GPT-2 BPE
+$ python prepare_data.py --dataset=python_code             # those and every installed package's, GPT-2 BPE
 $ python prepare_data.py --dataset=mqar                    # synthetic recall (MQAR), the KLA paper's protocol
 $ python prepare_data.py --dataset=sniah                   # its one-pair needle-in-a-haystack version
 $ python prepare_data.py --dataset=mqar_small              # a CPU-sized MQAR (8 pairs, 128 tokens, vocab 256)
@@ -35,6 +36,7 @@ import urllib.request
 import numpy as np
 
 STDLIB_TEXT = "python_stdlib"  # the .py files of the running Python's standard library, in GPT-2 BPE
+CODE_TEXT = "python_code"  # those and every installed package's .py files, each distinct file once, in GPT-2 BPE
 # the synthetic tasks of the KLA paper (see prepare_synthetic): recall (their MQAR generator), stack, palindrome
 SYNTHETIC = {
     "mqar": dict(task="recall", n_pairs=32, train_length=256, test_lengths=(256, 512, 1024, 2048)),
@@ -45,7 +47,7 @@ SYNTHETIC = {
     "mqar_small": dict(task="recall", n_pairs=8, vocab=256, train_length=128, test_lengths=(128, 256, 512, 1024)),
     "stack_small": dict(task="stack", n_stacks=8, vocab=32, train_length=128, test_lengths=(32, 64, 128, 256)),
     "palindrome_small": dict(task="palindrome", vocab=32, train_length=64, test_lengths=(16, 32, 64, 128))}
-DATASETS = ("shakespeare_char", "shakespeare", STDLIB_TEXT, "fineweb_edu", *SYNTHETIC)
+DATASETS = ("shakespeare_char", "shakespeare", STDLIB_TEXT, CODE_TEXT, "fineweb_edu", *SYNTHETIC)
 SPLITS = ("train", "val", "test")
 VAL_FRACTION = TEST_FRACTION = 0.05  # of the tokens, in whole documents
 SPLIT_SEED = 0  # the shuffle that decides which documents are val and test
@@ -182,20 +184,40 @@ def prepare_shakespeare_char(out_dir, plays):
                   {"vocab_size": len(chars), "tokenizer": "char", "chars": chars})
 
 
-def python_stdlib_files(source_dir=None):
-    """The Python standard library's sources (its tests included, site-packages not), one string per file in
-    sorted path order: about 10M GPT-2 tokens of code that every machine has, offline."""
-    import sysconfig
-    root = source_dir or sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(d, f) for d, dirs, fs in os.walk(root) for f in fs if f.endswith(".py")
-                   and "site-packages" not in os.path.relpath(d, root).split(os.sep))
+def python_files(roots, site_packages=True):
+    """The .py files under the folders roots (those under a site-packages folder only with site_packages), one
+    string per file, in sorted path order."""
+    files = sorted({os.path.join(d, f) for root in roots for d, dirs, fs in os.walk(root) for f in fs if f.endswith(".py")
+                    and (site_packages or "site-packages" not in os.path.relpath(d, root).split(os.sep))})
     if not files:
-        sys.exit(f"error: no .py files under {root}")
+        sys.exit(f"error: no .py files under {', '.join(roots)}")
     texts = []
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
     return texts
+
+
+def python_stdlib_files(source_dir=None):
+    """The Python standard library's sources (its tests included, site-packages not): about 10M GPT-2 tokens of
+    code that every machine has, offline."""
+    import sysconfig
+    return python_files([source_dir or sysconfig.get_paths()["stdlib"]], site_packages=False)
+
+
+def python_code_files(source_dir=None):
+    """The standard library's sources and every installed package's (site-packages and the other folders on
+    sys.path but this one), each distinct text once (packages vendor each other's files), in sorted path order:
+    the largest corpus this project can build offline on a machine, 40-60M GPT-2 tokens next to torch (the
+    number depends on what is installed; meta.json records it)."""
+    import site
+    import sysconfig
+    here = os.path.dirname(os.path.abspath(__file__))
+    roots = [source_dir] if source_dir else sorted(
+        {os.path.realpath(p) for p in [sysconfig.get_paths()["stdlib"], *site.getsitepackages(), *sys.path]
+         if p and os.path.isdir(p) and os.path.realpath(p) != here})
+    roots = [r for r in roots if not any(r != o and r.startswith(o + os.sep) for o in roots)]  # no folder twice
+    return list(dict.fromkeys(python_files(roots)))
 
 
 def prepare_bpe(out_dir, documents):
@@ -372,6 +394,8 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
         prepare_bpe(out_dir, shakespeare_plays(source_dir))
     elif dataset == STDLIB_TEXT:
         prepare_bpe(out_dir, python_stdlib_files(source_dir))
+    elif dataset == CODE_TEXT:
+        prepare_bpe(out_dir, python_code_files(source_dir))
     else:
         prepare_shakespeare_char(out_dir, shakespeare_plays(source_dir))
     return out_dir

@@ -1470,6 +1470,33 @@ def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
         assert 0 < r["document_loss"] < 10 and 0 < r["padded_loss"] < 10 and r["padded_loss"] != r["document_loss"]
 
 
+def test_single_pass_trains_on_each_window_once(tmp_path):
+    """single_pass=True: the training windows are the train split cut end to end, in a seeded order, none used
+    twice; a max_iters that needs more windows than the split holds is one line before any work."""
+    d = tmp_path / "ids"
+    ids = np.arange(1, 3001)  # every token id once: a window's first id says where the window starts
+    prepare_data.write_dataset(str(d), np.split(ids, np.arange(100, 3000, 100)), {"vocab_size": 4096, "tokenizer": "none"})
+    train = np.fromfile(d / "train.bin", dtype=np.uint16)
+    n_windows = (len(train) - 1) // 16  # TINY's block_size
+    iters = n_windows * 16 // 64  # 4 x 16 tokens an iteration
+    args = [*TINY, f"--data_dir={tmp_path}", "--dataset=ids", "--single_pass=True", f"--out_dir={tmp_path / 'out'}"]
+    record = ("import runpy, sys, numpy as np; seen = []\n"  # the windows of every training batch get_batch returns
+              "def prof(frame, event, arg):\n"
+              "    if event == 'return' and frame.f_code.co_name == 'get_batch' and frame.f_locals['key'][0] == 0:\n"
+              "        seen.append(frame.f_locals['ix'].copy())\n"
+              "sys.setprofile(prof); sys.argv = sys.argv[1:]\n"
+              "try: runpy.run_path(sys.argv[0], run_name='__main__')\n"
+              f"finally: np.save({str(tmp_path / 'seen.npy')!r}, np.concatenate(seen))")
+    p = run("-c", record, os.path.join(ROOT, "train.py"), *args, f"--max_iters={iters}")
+    assert p.returncode == 0, p.stderr
+    starts = np.load(tmp_path / "seen.npy")[:iters * 4]  # the prefetched batch after the last step left out
+    assert len(starts) == iters * 4 and all(s % 16 == 0 for s in starts) and len(set(starts.tolist())) == len(starts)
+    assert sorted(starts.tolist()) != starts.tolist()  # shuffled
+    assert_each_is_one_line("train.py", [(f"--max_iters={iters + 1}", f"at most {iters} iterations")], *args,
+                            f"--out_dir={tmp_path / 'other'}")
+    assert not os.path.exists(tmp_path / "other" / "log.jsonl")
+
+
 def test_documents_need_an_end_of_text_token(tiny_data, trained, tmp_path):
     """documents=True on data without an end-of-text token (shakespeare_char): one line, before any training."""
     assert_each_is_one_line("train.py", [("--documents=True", "names none: prepare the data again")], *TINY,
@@ -1570,6 +1597,26 @@ def test_prepare_python_stdlib(tmp_path):
     assert sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits) == \
         ["def b():\n    return 2\n<|endoftext|>", "import os\nprint(os.sep)\n<|endoftext|>", "z = 26\n<|endoftext|>"]
     assert all((ids == 50256).sum() == 1 for ids in splits) and meta["eot"] == 50256  # one after each file
+
+
+def test_prepare_python_code(tmp_path):
+    """python_code: every .py file under the folders, site-packages included, each distinct text once."""
+    need_bpe()
+    src = tmp_path / "lib"
+    (src / "site-packages" / "pip" / "_vendor").mkdir(parents=True)
+    (src / "a.py").write_text("import os\n")
+    (src / "site-packages" / "numpy.py").write_text("x = 1\n")
+    (src / "site-packages" / "pip" / "six.py").write_text("six = 6\n")
+    (src / "site-packages" / "pip" / "_vendor" / "six.py").write_text("six = 6\n")  # a vendored copy
+    prepare_data.prepare("python_code", str(tmp_path / "data"), source_dir=str(src))
+    d = tmp_path / "data" / "python_code"
+    meta = json.loads((d / "meta.json").read_text())
+    splits = [np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val", "test")]
+    assert sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits) == \
+        ["import os\n<|endoftext|>", "six = 6\n<|endoftext|>", "x = 1\n<|endoftext|>"]
+    cfg = {"__file__": os.path.join(ROOT, "config", "python_code.py")}  # the LM of GPT-2 small's size on it
+    exec(open(cfg["__file__"]).read(), cfg)
+    assert (cfg["dataset"], cfg["n_layer"], cfg["n_embd"], cfg["single_pass"]) == ("python_code", 12, 768, True)
 
 
 def test_prepare_web_fails_fast_offline(tmp_path):

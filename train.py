@@ -60,6 +60,8 @@ dataset = "shakespeare_char"
 data_dir = "data"
 documents = False  # True: each batch row read as its documents (the BPE sets end each with an end-of-text token):
                    # KLA / GDN states and convolutions reset at each, attention within each; the same tokens per step
+single_pass = False  # True: training windows are the train split cut end to end, each used once, in an order
+                     # shuffled by seed (no token trained on twice); max_iters must fit in the split
 gradient_accumulation_steps = 1  # micro-batches per optimizer step, over all processes
 batch_size = 64 if _gpu else 32
 block_size = 256 if _gpu else 64
@@ -244,6 +246,16 @@ for split in ("train", "val"):
              f"for each of the {n_tokens} tokens of {path}; prepare the data again")
     if not example_length and n_tokens <= block_size:
         fail(f"{path} holds {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}")
+    if split == "train" and single_pass:
+        if example_length:
+            fail("single_pass = True: the synthetic tasks' examples are drawn at random; use it with a language "
+                 "dataset")
+        n_windows = (n_tokens - 1) // block_size  # window w: tokens w * block_size .. (w + 1) * block_size
+        if max_iters * tokens_per_iter > n_windows * block_size:
+            fail(f"single_pass = True: max_iters = {max_iters} takes {max_iters * tokens_per_iter:,} tokens, more "
+                 f"than the {n_windows * block_size:,} of {path} in windows of {block_size}: at most "
+                 f"{n_windows * block_size // tokens_per_iter} iterations")
+        window_order = np.random.default_rng([seed, 2]).permutation(n_windows)
 
 
 def get_batch(split, key):
@@ -261,8 +273,12 @@ def get_batch(split, key):
         labels = np.memmap(os.path.join(data_path, f"{split}_labels.bin"), dtype=np.int16, mode="r")
         x = np.stack([data[i * example_length:(i + 1) * example_length] for i in ix]).astype(np.int64)
         y = np.stack([labels[i * example_length:(i + 1) * example_length] for i in ix]).astype(np.int64)
-    else:  # random windows of the token stream; the labels are the next tokens
-        ix = rng.integers(len(data) - block_size, size=batch_size)
+    else:  # windows of the token stream; the labels are the next tokens
+        ix = rng.integers(len(data) - block_size, size=batch_size)  # random ones
+        if single_pass and key[0] == 0:  # training: the next windows of the shuffled order (past its end only
+            it, g = key[1:]  # the batch fetched ahead after the last step, never trained on)
+            first = (it * gradient_accumulation_steps * world_size + g) * batch_size
+            ix = window_order[np.arange(first, first + batch_size) % len(window_order)] * block_size
         batch = np.stack([data[i:i + block_size + 1] for i in ix]).astype(np.int64)  # (B, block_size + 1)
         x, y = batch[:, :-1].copy(), batch[:, 1:].copy()
     if max(x.max(), y.max()) >= meta["vocab_size"]:  # an embedding lookup out of range is a CUDA assert
