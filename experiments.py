@@ -146,6 +146,9 @@ def run_all():
         for out_dir, p in list(running.items()):
             if p.poll() is not None:
                 print(f"[{time.time() - t0:6.0f}s] finished {out_dir} (exit {p.returncode})", flush=True)
+                if p.returncode:  # why, in this log too: its last line (e.g. an out-of-memory error)
+                    with open(os.path.join(out_dir, "stdout.txt"), errors="replace") as f:
+                        print("    " + (f.read().strip().splitlines() or [""])[-1][:300], flush=True)
                 done.append(out_dir)
                 del running[out_dir]
         time.sleep(1)

@@ -1379,6 +1379,10 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
     assert evals == [0, 3, 6, 9]  # went on from 6 (its evaluation there logged once), not from 0
     rows = list(csv.DictReader(open(res / "mqar_small.csv")))
     assert [(r["mixer"], r["seed"], r["last_iter"]) for r in rows] == [("kla", "1", "9")]
+    # a run that fails: its exit status and its last line in experiments.py's own output
+    p = run(*exp, "--seeds=2", "--train_args=" + " ".join(small + ["--max_iters=0"]), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"finished {root / 'mqar_small-kla-2'} (exit 2)\n    config error: max_iters = 0: must be >= 1" in p.stdout, p.stdout
 
 
 @pytest.fixture(scope="module")
