@@ -767,7 +767,8 @@ def section_generate(device, smoke):
     runs = [("kla", True, 0, c) for c in infer_modes() if c != "graphs"] + [("kla", False, 0, False), ("attn", False, 0, False),
                                                           ("attn", False, 1, False)]
     if ARGS.get("mixers"):  # --mixers=kla: only these mixers' rows; gdn: as KLA's first rows
-        runs = [r for r in runs + [("gdn",) + r[1:] for r in runs[:len(infer_modes())]] if r[0] in ARGS["mixers"].split(",")]
+        runs += [("gdn",) + r[1:] for r in runs[:len(infer_modes())]]
+        runs = [r for r in runs if r[0] in ARGS["mixers"].split(",")]
     for mixer, graph, all_backends, compiled in runs:
         model, vocab = eval_model(mixer, device, smoke, compiled)
         saved = model_module.SDPA_BACKENDS

@@ -81,9 +81,9 @@ if documents or padded:  # the end-of-text token of the data read here
     except (OSError, ValueError, AttributeError):
         eot = None
     if eot is None:
-        fail(f"documents=True and padded=True need the end-of-text token that ends each document, and {data_path}/meta.json names "
-             f"none: prepare the data again (python prepare_data.py --dataset={config['dataset']}); "
-             "shakespeare_char and the synthetic tasks have none")
+        fail(f"documents=True and padded=True need the end-of-text token that ends each document, and "
+             f"{data_path}/meta.json names none: prepare the data again (python prepare_data.py "
+             f"--dataset={config['dataset']}); shakespeare_char and the synthetic tasks have none")
 if "test_lengths" not in meta:  # language modelling: the numbers reported come from the test split
     if not os.path.exists(os.path.join(data_path, "test.bin")):
         fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py "
@@ -214,6 +214,7 @@ for r in results:
 try:
     with open(os.path.join(out_dir, "eval.json"), "w") as f:
         json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
-                   "iter_num": checkpoint["iter_num"], "documents": documents, "padded": padded, "results": results}, f, indent=1)
+                   "iter_num": checkpoint["iter_num"], "documents": documents, "padded": padded, "results": results},
+                  f, indent=1)
 except OSError as err:
     fail(f"cannot write {os.path.join(out_dir, 'eval.json')}: {err.strerror}")

@@ -187,7 +187,8 @@ def prepare_shakespeare_char(out_dir, plays):
 def python_files(roots, site_packages=True):
     """The .py files under the folders roots (those under a site-packages folder only with site_packages), one
     string per file, in sorted path order."""
-    files = sorted({os.path.join(d, f) for root in roots for d, dirs, fs in os.walk(root) for f in fs if f.endswith(".py")
+    files = sorted({os.path.join(d, f) for root in roots for d, dirs, fs in os.walk(root) for f in fs
+                    if f.endswith(".py")
                     and (site_packages or "site-packages" not in os.path.relpath(d, root).split(os.sep))})
     if not files:
         sys.exit(f"error: no .py files under {', '.join(roots)}")
@@ -208,7 +209,7 @@ def python_stdlib_files(source_dir=None):
 def python_code_files(source_dir=None):
     """The standard library's sources and every installed package's (site-packages and the other folders on
     sys.path but this one), each distinct text once (packages vendor each other's files), in sorted path order:
-    the largest corpus this project can build offline on a machine, 40-60M GPT-2 tokens next to torch (the
+    the largest corpus this project can build offline on a machine, about 100M GPT-2 tokens next to torch (the
     number depends on what is installed; meta.json records it)."""
     import site
     import sysconfig
