@@ -1584,6 +1584,15 @@ def test_prepare_bpe(tmp_path):
     assert all((ids == 50256).sum() == 1 and ids[-1] == 50256 for ids in splits)  # one after each play
 
 
+def prepared_from(src, dataset, tmp_path):
+    """prepare_data on the source folder src: (meta.json, the splits' token ids, their decoded texts sorted)."""
+    prepare_data.prepare(dataset, str(tmp_path / "data"), source_dir=str(src))
+    d = tmp_path / "data" / dataset
+    meta = json.loads((d / "meta.json").read_text())
+    splits = [np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val", "test")]
+    return meta, splits, sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits)
+
+
 def test_prepare_python_stdlib(tmp_path):
     need_bpe()
     src = tmp_path / "lib"
@@ -1594,11 +1603,8 @@ def test_prepare_python_stdlib(tmp_path):
     (src / "z.py").write_text("z = 26\n")
     (src / "notes.txt").write_text("not python")
     (src / "site-packages" / "numpy" / "c.py").write_text("x = 1\n")
-    prepare_data.prepare("python_stdlib", str(tmp_path / "data"), source_dir=str(src))
-    d = tmp_path / "data" / "python_stdlib"
-    meta = json.loads((d / "meta.json").read_text())
-    splits = [np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val", "test")]
-    assert sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits) == \
+    meta, splits, texts = prepared_from(src, "python_stdlib", tmp_path)
+    assert texts == \
         ["def b():\n    return 2\n<|endoftext|>", "import os\nprint(os.sep)\n<|endoftext|>", "z = 26\n<|endoftext|>"]
     assert all((ids == 50256).sum() == 1 for ids in splits) and meta["eot"] == 50256  # one after each file
 
@@ -1612,11 +1618,8 @@ def test_prepare_python_code(tmp_path):
     (src / "site-packages" / "numpy.py").write_text("x = 1\n")
     (src / "site-packages" / "pip" / "six.py").write_text("six = 6\n")
     (src / "site-packages" / "pip" / "_vendor" / "six.py").write_text("six = 6\n")  # a vendored copy
-    prepare_data.prepare("python_code", str(tmp_path / "data"), source_dir=str(src))
-    d = tmp_path / "data" / "python_code"
-    meta = json.loads((d / "meta.json").read_text())
-    splits = [np.fromfile(d / f"{s}.bin", dtype=np.uint16) for s in ("train", "val", "test")]
-    assert sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits) == \
+    _, _, texts = prepared_from(src, "python_code", tmp_path)
+    assert texts == \
         ["import os\n<|endoftext|>", "six = 6\n<|endoftext|>", "x = 1\n<|endoftext|>"]
     cfg = {"__file__": os.path.join(ROOT, "config", "python_code.py")}  # the LM of GPT-2 small's size on it
     exec(open(cfg["__file__"]).read(), cfg)
