@@ -244,15 +244,16 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
     CUDA tensors when it is installed). A single token with a carried state (decoding) takes the O(1) step; on the
     Triton path, without autograd, that step writes the new state into initial_state (and returns it).
     cu_seqlens (N + 1,): packed sequences in a batch of 1, each from its own state (see kla_recurrent).
-    rule: the step size (step_rule(rule, kaczmarz)); the kernels compute every rule but 'longhorn' ('auto'
-    takes the chunkwise path for it)."""
+    rule: the step size (step_rule(rule, kaczmarz)); the kernels compute 'kaczmarz' and take beta = eta for the
+    others: 'longhorn's beta is computed here in float32 (its gradient by autograd) and given to them as eta."""
     rule = step_rule(rule, kaczmarz)
     if backend == "auto":
-        backend = "triton" if q.is_cuda and kernel is not None and rule != "longhorn" else "chunkwise"
+        backend = "triton" if q.is_cuda and kernel is not None else "chunkwise"
     kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if backend == "triton":
         if rule == "longhorn":
-            raise ValueError("the step rule 'longhorn' has no Triton kernel: use backend 'chunkwise' or 'recurrent'")
+            check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
+            eta = kla_beta(k.float(), eta.float(), rule=rule).to(eta.dtype)
         return _triton_attention(q, k, v, g, eta, kaczmarz=rule == "kaczmarz", **kw)  # the rest are beta = eta
     if backend == "recurrent" or q.shape[1] == 1:
         return kla_recurrent(q, k, v, g, eta, rule=rule, **kw)
@@ -692,13 +693,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counts once
 
     def set_backend(self, device_type):
-        """Choose the linear-attention path once for this device (see resolve_backend); the step rule 'longhorn',
-        which no kernel computes, takes the chunkwise path instead of Triton."""
+        """Choose the linear-attention path once for this device (see resolve_backend)."""
         backend = resolve_backend(self.config.backend, device_type)
         mixer = self.blocks[0].mixer
-        if backend == "triton" and isinstance(mixer, DeltaMixer) and mixer.rule == "longhorn":
-            print("step rule 'longhorn': no Triton kernel computes it, the PyTorch chunkwise path does (slower)")
-            backend = "chunkwise"
         if backend == "triton" and isinstance(mixer, DeltaMixer) and (mixer.dk > 128 or mixer.dv > 1024):
             raise ValueError(f"heads of d_k {mixer.dk}, d_v {mixer.dv}: the Triton kernel takes d_k <= 128 and d_v <= 1024; "
                              "use more heads, or backend='chunkwise'")

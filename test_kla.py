@@ -2227,15 +2227,21 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
     assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])
 
 
-def test_longhorn_on_triton_takes_the_pytorch_path_with_one_notice(capsys):
-    m = GPT(tiny_config("kla", backend="triton", step_rule="longhorn"))
-    assert m.set_backend("cpu") == "chunkwise" and all(block.mixer.backend == "chunkwise" for block in m.blocks)
-    out = capsys.readouterr().out
-    assert len(out.splitlines()) == 1 and "'longhorn'" in out and "chunkwise" in out, out
-    m(torch.randint(0, 61, (2, 20)))
-    assert capsys.readouterr().out == ""  # not per call
-    with pytest.raises(ValueError, match="'longhorn' has no Triton kernel"):
-        model.linear_attention(*make_inputs(T=5)[:5], backend="triton", rule="longhorn")
+@pytest.mark.parametrize("rule", model.STEP_RULES)
+def test_step_rules_on_triton_match_float64(rule):
+    """Every rule through linear_attention's Triton path (the kernel in the interpreter, float32; 'longhorn's beta
+    computed outside it) against the recurrent reference in float64: the output, the final state and every
+    gradient; a model of each rule keeps the Triton backend, with nothing printed."""
+    q, k, v, g, eta, h0 = make_inputs(T=70, H=2, K=32, V=16, norm_range=(-0.5, 0.5))
+    if rule == "unit":
+        k = F.normalize(k, dim=-1)
+    inputs = [q, k, v, g, eta, h0]
+    ref = outputs_and_grads(kla_recurrent, inputs, rule=rule)
+    out = outputs_and_grads(model.linear_attention, [x.float() for x in inputs], backend="triton", rule=rule)
+    for name, a, b in zip(NAMES, out, ref):
+        assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
+    m = GPT(tiny_config("kla", backend="triton", step_rule=rule))
+    assert m.set_backend("cpu") == "triton" and all(block.mixer.backend == "triton" for block in m.blocks)
 
 
 def test_step_rule_errors_name_the_value(tmp_path):
