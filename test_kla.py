@@ -2228,7 +2228,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
 
 
 @pytest.mark.parametrize("rule", model.STEP_RULES)
-def test_step_rules_on_triton_match_float64(rule):
+def test_step_rules_on_triton_match_float64(rule, capsys):
     """Every rule through linear_attention's Triton path (the kernel in the interpreter, float32; 'longhorn's beta
     computed outside it) against the recurrent reference in float64: the output, the final state and every
     gradient; a model of each rule keeps the Triton backend, with nothing printed."""
@@ -2242,6 +2242,7 @@ def test_step_rules_on_triton_match_float64(rule):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
     m = GPT(tiny_config("kla", backend="triton", step_rule=rule))
     assert m.set_backend("cpu") == "triton" and all(block.mixer.backend == "triton" for block in m.blocks)
+    assert capsys.readouterr().out == ""
 
 
 def test_step_rule_errors_name_the_value(tmp_path):
