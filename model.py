@@ -251,8 +251,8 @@ def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_
         backend = "triton" if q.is_cuda and kernel is not None else "chunkwise"
     kw = dict(eps=eps, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if backend == "triton":
-        if rule == "longhorn":
-            check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
+        if rule == "longhorn":  # the kernel's own input check (no synchronisation) before eta is replaced
+            kernel._check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens)
             eta = kla_beta(k.float(), eta.float(), rule=rule).to(eta.dtype)
         return _triton_attention(q, k, v, g, eta, kaczmarz=rule == "kaczmarz", **kw)  # the rest are beta = eta
     if backend == "recurrent" or q.shape[1] == 1:
