@@ -203,11 +203,16 @@ def collect_results():
 
 
 def by_mixer(rows, column):
-    """{mixer, or the step rule of an ablation's run: (lengths, [values per length per seed])}"""
-    out = {}
+    """{mixer, or the step rule of an ablation's run: (lengths, [values per length per seed])}, at the lengths that
+    every seed of the group was evaluated at."""
+    groups = {}
     for r in rows:
-        keys = sorted((int(k.split("@")[1]) for k in r if k.startswith(column + "@") and r[k] != ""))
-        out.setdefault(r.get("step_rule") or r["mixer"], (keys, []))[1].append([float(r[f"{column}@{n}"]) for n in keys])
+        groups.setdefault(r.get("step_rule") or r["mixer"], []).append(r)
+    out = {}
+    for name, group in groups.items():
+        keys = sorted(set.intersection(*({int(k.split("@")[1]) for k in r if k.startswith(column + "@") and r[k] != ""}
+                                         for r in group)))
+        out[name] = keys, [[float(r[f"{column}@{n}"]) for n in keys] for r in group]
     return out
 
 
@@ -220,12 +225,12 @@ def summary(task, column, rows):
     """A markdown table: mean ± sample standard deviation over seeds per mixer and evaluation length."""
     import numpy as np
     groups = sorted(by_mixer(rows, column).items())
-    lengths = groups[0][1][0] if groups else []
+    lengths = sorted(set.intersection(*(set(keys) for _, (keys, _) in groups))) if groups else []  # every group's
     unit = " (%)" if column == "accuracy" else ""
     lines = [f"{task}: {column}{unit} at each evaluation length, mean ± sample std over seeds", "",
              "| mixer or rule | seeds | " + " | ".join(str(n) for n in lengths) + " |", "|---|---|" + "---|" * len(lengths)]
-    for mixer, (_, vals) in groups:
-        v = np.array(vals) * (100 if column == "accuracy" else 1)
+    for mixer, (keys, vals) in groups:
+        v = np.array(vals)[:, [keys.index(n) for n in lengths]] * (100 if column == "accuracy" else 1)
         cells = [f"{m:.2f} ± {sd:.2f}" if len(v) > 1 else f"{m:.2f}" for m, sd in zip(v.mean(0), spread(v))]  # no spread of one
         lines.append(f"| {mixer} | {len(v)} | " + " | ".join(cells) + " |")
     return "\n".join(lines + paired(rows, column, lengths))

@@ -1340,6 +1340,18 @@ def test_experiments_summary_gives_no_spread_for_one_seed():
     assert "| kla | 2 | 2.50 ± 0.71 |" in p.stdout and "| attn | 1 | 2.50 |" in p.stdout, p.stdout
 
 
+def test_experiments_summary_keeps_the_lengths_every_seed_has():
+    """Seeds evaluated at different lengths (one at 1, 2, 4, another at 1, 4) are summarised at the lengths all of
+    them have, each value in its own column."""
+    rows = [{"mixer": "kla", "loss@1": "2.0", "loss@2": "9.0", "loss@4": "1.0"}, {"mixer": "kla", "loss@1": "3.0", "loss@4": "2.0"},
+            {"mixer": "gdn", "loss@1": "2.5", "loss@4": "1.5"}]
+    p = run("-c", f"import sys; sys.argv = ['experiments.py']; import experiments; "
+                  f"print(experiments.summary('lm', 'loss', {rows!r}))")
+    assert p.returncode == 0, p.stderr
+    assert "| mixer or rule | seeds | 1 | 4 |" in p.stdout, p.stdout
+    assert "| kla | 2 | 2.50 ± 0.71 | 1.50 ± 0.71 |" in p.stdout and "| gdn | 1 | 2.50 | 1.50 |" in p.stdout, p.stdout
+
+
 def test_experiments_summary_pairs_kla_and_gdn_seed_by_seed():
     """With KLA and GDN run on the same seeds, the summary adds their difference seed by seed: its mean, sample std
     and how many seeds KLA leads in (higher accuracy; for a loss, lower); seeds only one of them ran are left out."""
