@@ -20,10 +20,11 @@ Sections (comma-separated; default kernel,decode):
           training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
           and fla's GatedDeltaNet LM of this width in two head shapes (V 256: fla's kernels; V 128: FlashQLA's),
-          eager and compiled, when flash-linear-attention imports (--fla_lm=0: not).
+          eager and compiled (--fla_compile=0,1; by default as --compile), when flash-linear-attention imports
+          (--fla_lm=0: not).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens (--lengths), KLA against attention: latency and peak memory;
-          KLA also in segments of 8192 (plain, and from model.prefill's CUDA graph of a segment);
+          KLA also in segments of PREFILL_SEGMENT (model.py; plain, and from model.prefill's CUDA graph of a segment);
           --compile_infer=0,1,graphs: eager, compiled, compiled and replayed from CUDA graphs; --mixers=kla,gdn:
           one pass of these mixers only.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
@@ -54,7 +55,7 @@ import triton
 
 import kernel
 import kernel_decode
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, PREFILL_SEGMENT
 
 EPS = 1e-6
 
@@ -472,7 +473,8 @@ def section_train(device, smoke):
     compiled_modes = [bool(int(c)) for c in ARGS.get("compile", "0,1").split(",")]
     if device == "cuda" and ARGS.get("fla_lm", "1") == "1":  # the library users would pick
         try:  # first, so that a time limit on the whole section cannot leave it out
-            fla = fla_lm_rows(shapes, device, compiled_modes)
+            fla_modes = [bool(int(c)) for c in ARGS.get("fla_compile", ARGS.get("compile", "0,1")).split(",")]
+            fla = fla_lm_rows(shapes, device, fla_modes)
         except Exception as err:  # fla's model failing must not stop ours
             print(f"fla LM: {type(err).__name__}: {str(err)[:300]}", flush=True)
     for compiled in compiled_modes:
@@ -706,9 +708,9 @@ def infer_modes():
 
 def section_prefill(device, smoke):
     """Batch-1 forward over a long prompt (the logits of the last position), KLA against attention; KLA
-    also in segments of 8192 tokens with the state carried (memory flat in T)."""
+    also in segments of PREFILL_SEGMENT tokens with the state carried (memory flat in T)."""
     lengths = [int(t) for t in ARGS.get("lengths", "128,512" if smoke else "4096,8192,16384,65536,131072").split(",")]
-    seg = 64 if smoke else 8192
+    seg = 64 if smoke else PREFILL_SEGMENT
     rows = []
     for compiled in infer_modes():
         label = {False: "", True: " (compiled)", "graphs": " (compiled, CUDA graphs)"}[compiled]

@@ -633,6 +633,13 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+# The segment of a long prompt that KLA / GDN read at a time (GPT.stream, sample.py): their prefill's memory stays flat in
+# the prompt's length. On an H200 (GPT-2 small, bf16, batch 1; python3 tools/prefill_segments.py,
+# results/bench_h200/prefill_segments.md), 16384 tokens with the CUDA graph of a segment take 1.05 / 1.07 / 1.08x the
+# one pass at 32K / 64K / 128K, peak 1.67 -> 1.83 GiB against the one pass's 1.15 -> 3.67; 8192 take 1.24-1.27x at
+# 0.98 -> 1.16 GiB, 32768 1.03-1.05x at 3.01 -> 3.10 GiB (more than the one pass's 2.00 at 64K).
+PREFILL_SEGMENT = 16384
+
 LOSS_CHUNK = 2**27  # FusedCrossEntropy's logits a chunk: 2,668 rows at vocabulary 50304, ~1.5 GB of temporaries eager
 
 
@@ -825,7 +832,7 @@ class GPT(nn.Module):
         return model
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False, prefill_chunk=8192):
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False, prefill_chunk=PREFILL_SEGMENT):
         """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
         path, in segments of prefill_chunk tokens for KLA / GDN (the state carried across them, so that
         memory does not grow with the prompt); every later token costs O(1) from the carried state
@@ -855,13 +862,13 @@ class GPT(nn.Module):
     @torch.no_grad()
     def prefill(self, idx, cache, segment, cuda_graph=False):
         """Read idx (B, T) into cache in segments of `segment` tokens, the state carried across them;
-        the logits of the last position. cuda_graph (KLA / GDN, at least three full segments): the full segments
+        the logits of the last position. cuda_graph (KLA / GDN, at least two full segments): the full segments
         after the first replayed from one CUDA graph (decode_step for `segment` tokens; no launch work on the host),
         made once per batch, segment and weights and kept in segment_graphs for later prompts."""
         B, T = idx.shape
         logits, _ = self(idx[:, :segment], cache=cache)  # from the empty cache, which then holds its buffers
         s, n_full = segment, (T - segment) // segment
-        if cuda_graph and self.config.mixer != "attn" and n_full >= 2:
+        if cuda_graph and self.config.mixer != "attn" and n_full >= 1:
             key = (B, segment, self.wte.weight.dtype, self.wte.weight.data_ptr())
             if key not in self.segment_graphs:
                 static = [{k: v.clone() for k, v in c.items()} for c in cache]

@@ -536,7 +536,7 @@ def test_prefill_segments_from_one_graph():
     same logits and cache as plain segments."""
     torch.manual_seed(3)
     m = GPT(tiny_config("kla")).eval()
-    for T in (16 * 3 + 5, 16 * 4):
+    for T in (16 * 2 + 3, 16 * 3 + 5, 16 * 4):  # one, two, three full segments after the first
         prompt = torch.randint(0, 61, (2, T))
         c1, c2 = m.new_cache(), m.new_cache()
         plain, graphed = m.prefill(prompt, c1, 16), m.prefill(prompt, c2, 16, cuda_graph=True)
