@@ -1961,13 +1961,16 @@ def test_rerun_keeps_the_trained_model(trained, tiny_data, tmp_path):
 
 def test_run_ends_at_its_best_weights(tiny_data, tmp_path):
     """When the last evaluation is worse than the best, train.py reloads the best weights (the checkpoint,
-    saved only on improvement) before its closing sample, and says so; the sample then comes from them."""
-    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--learning_rate=0.1",
-            "--warmup_iters=0", "--decay_lr=False", "--weight_decay=0", "--max_iters=18", "--eval_interval=3",
-            "--sample_tokens=20")
+    saved only on improvement) before its closing sample, and says so; the sample then comes from them. The run
+    gets worse for certain on any machine: it improves at a small rate, then resumes at one that wrecks it."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--warmup_iters=0", "--decay_lr=False",
+            "--weight_decay=0", "--eval_interval=3"]
+    p = run("train.py", *args, "--learning_rate=1e-2", "--max_iters=9")
+    assert p.returncode == 0, p.stderr
+    p = run("train.py", *args, "--learning_rate=3", "--max_iters=12", "--init_from=resume", "--sample_tokens=20")
     assert p.returncode == 0, p.stderr
     vals = [r["val_loss"] for r in train_log(str(tmp_path)) if "val_loss" in r]
-    assert vals[-1] > min(vals[1:]), vals  # the run got worse after its best (else the test proves nothing)
+    assert vals[-1] > min(vals[1:]) + 1, vals  # the run got worse after its best (else the test proves nothing)
     assert f"restored the best weights (val loss {min(vals[1:]):.4f})" in p.stdout, p.stdout
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["best_val_loss"] == min(vals[1:])
