@@ -675,7 +675,7 @@ def section_decode_profile(device, smoke):
         model, vocab = eval_model("kla", device, smoke, compiled)
         with torch.no_grad():
             cache = model.new_cache()
-            model.prefill(torch.randint(vocab, (batch, 64 if smoke else 1024), device=device), cache, 8192)
+            model.prefill(torch.randint(vocab, (batch, 64 if smoke else 1024), device=device), cache, PREFILL_SEGMENT)
             step = model.decode_step(cache, batch)
             tok = torch.randint(vocab, (batch, 1), device=device)
             for _ in range(3):
