@@ -58,6 +58,7 @@ import kernel_decode
 from model import GPT, GPTConfig, PREFILL_SEGMENT
 
 EPS = 1e-6
+MODEL_HEADS = (32, 2048, 6, 96, 192)  # (B, T, H, K, V): GPT-2 small's KLA heads, 32 x 2048 tokens a step
 
 
 def load_fla():
@@ -149,7 +150,7 @@ def section_kernel(device, smoke):
     fla_chunk, _ = load_fla()
     qla_chunk = load_flash_qla()
     shapes = [(16, 2048, 8, 64, 64, True), (8, 4096, 16, 128, 128, True), (4, 8192, 16, 128, 128, True),
-              (1, 32768, 16, 128, 128, True), (1, 131072, 16, 128, 128, False), (32, 2048, 6, 96, 192, True)]
+              (1, 32768, 16, 128, 128, True), (1, 131072, 16, 128, 128, False), MODEL_HEADS + (True,)]
     if smoke:
         shapes = [(1, 100, 2, 32, 32, True)]
     nan = (float("nan"), float("nan"))
@@ -251,35 +252,61 @@ def section_decode(device, smoke):
 
 
 def section_tune(device, smoke):
-    """Block sizes and warps of kernel.py, one variant at a time (kernel's config functions replaced)."""
-    shapes = [(1, 100, 2, 32)] if smoke else [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 8, 64)]
-    saved = kernel._seq_config, kernel._bwd_chunk_config, kernel._bwd_dqk_config
+    """The chunk backward's token-parallel kernels, one variant at a time (kernel's config functions replaced):
+    value columns, warps and pipeline stages of _bwd_cc_kernel, warps of _bwd_wy_kernel, key and value columns,
+    warps and stages of _bwd_dqk_kernel; forward + backward time. Shapes (B, T, H, K[, V]); --shapes=0,2 picks
+    some by index. The first shape is the model's own heads. A faulting variant ends the process (time_variants)."""
+    shapes = [(1, 100, 2, 32)] if smoke else [MODEL_HEADS, (8, 4096, 16, 128), (16, 2048, 8, 64)]
+    if ARGS.get("shapes") and not smoke:
+        shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
+    variants = []  # (shape, backward, name, patch)
+    dqk = lambda c: dict(_bwd_dqk_config=lambda BK, V, fp32=False, c=c: (min(BK, c[0]),) + c[1:])
+    for shape in shapes:
+        variants.append((shape, True, "default", {}))
+        for c in ((32, 4, 1), (64, 8, 1), (32, 8, 1), (64, 4, 2), (32, 4, 2), (128, 8, 1)):
+            variants.append((shape, True, "cc BV={} warps={} stages={}".format(*c),
+                             dict(_bwd_chunk_config=lambda BK, V, fp32=False, c=c: c)))
+        for nw in (2, 4, 8):
+            variants.append((shape, True, f"wy warps={nw}", dict(_bwd_wy_config=lambda BK, fp32=False, nw=nw: (nw, 3))))
+        for c in ((32, 16, 4, 1), (32, 32, 4, 1), (32, 32, 8, 1), (32, 32, 4, 2), (32, 32, 2, 1), (64, 32, 4, 1),
+                  (64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 4, 1), (128, 32, 8, 1), (128, 16, 8, 1), (128, 32, 8, 2),
+                  (32, 64, 4, 1)):  # the last faulted the GPU at the model's heads (Triton 3.6)
+            variants.append((shape, True, "dq/dk BKB={} BV={} warps={} stages={}".format(*c), dqk(c)))
+        variants.append((shape, True, "the K = 64 configurations: wy warps=8, dq/dk BKB=64 BV=32 warps=8 stages=1",
+                         dict(_bwd_wy_config=lambda BK, fp32=False: (8, 3), **dqk((64, 32, 8, 1)))))
+    return "kernel.py chunk-backward variants (ms, do_bench median; peak MiB)", \
+        ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
+
+
+def time_variants(variants, device):
+    """Rows [shape, pass, variant, ms, peak MiB]: ours_chunk timed once per (shape (B, T, H, K[, V]), backward,
+    name, patch) in order, patch mapping names of kernel's config functions to replacements, restored after each.
+    A variant that faults the GPU poisons the process: it exits printing RESTART_AT=<next index>, and
+    `--start=<index>` goes on from there in a new process."""
+    saved = {n: getattr(kernel, n) for *_, patch in variants for n in patch}
     rows = []
-    try:
-        for B, T, H, D in shapes:
-            for bv in (16, 32, 64):
-                for nw in (4, 8):
-                    kernel._seq_config = lambda BH, V, fp32=False, bwd=False, bv=bv, nw=nw: (bv, nw, 2)
-                    ms, _ = timed(ours_chunk, inputs(B, T, H, D, device), False, device)
-                    rows.append([f"({B}, {T}, {H}, {D})", "fwd", f"BV={bv} warps={nw}", ms])
-                    print(rows[-1], flush=True)
-            kernel._seq_config = saved[0]
-            for bv in (16, 32, 64):
-                for nw in (4, 8):
-                    kernel._bwd_chunk_config = lambda BK, V, fp32=False, bv=bv, nw=nw: (bv, nw)
-                    ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
-                    rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"cc bwd BV={bv} warps={nw}", ms])
-                    print(rows[-1], flush=True)
-            kernel._bwd_chunk_config = saved[1]
-            for bkb, bv in ((64, 16), (64, 32), (128, 16), (128, 32)):
-                kernel._bwd_dqk_config = lambda BK, V, fp32=False, bkb=bkb, bv=bv: (min(BK, bkb), bv, 8)
-                ms, _ = timed(ours_chunk, inputs(B, T, H, D, device, True), True, device)
-                rows.append([f"({B}, {T}, {H}, {D})", "fwd+bwd", f"dq/dk bwd BKB={bkb} BV={bv} warps=8", ms])
-                print(rows[-1], flush=True)
-            kernel._bwd_dqk_config = saved[2]
-    finally:
-        kernel._seq_config, kernel._bwd_chunk_config, kernel._bwd_dqk_config = saved
-    return "kernel.py variants (ms, do_bench median)", ["shape", "pass", "variant", "ms"], rows
+    for i, (shape, backward, name, patch) in enumerate(variants):
+        if i < int(ARGS.get("start", 0)):
+            continue
+        for n, f in patch.items():
+            setattr(kernel, n, f)
+        label = [str(shape), "fwd+bwd" if backward else "fwd", name]
+        try:
+            ms, mem = timed(ours_chunk, inputs(*shape[:4], device, backward, V=shape[4] if len(shape) > 4 else None),
+                            backward, device)
+        except Exception as err:
+            rows.append(label + [type(err).__name__, ""])
+            print(rows[-1], flush=True)
+            if "illegal" in str(err) or type(err).__name__ == "AcceleratorError":
+                print(f"RESTART_AT={i + 1}", flush=True)
+                os._exit(3)
+            continue
+        finally:
+            for n, f in saved.items():
+                setattr(kernel, n, f)
+        rows.append(label + [ms, mem])
+        print(rows[-1], flush=True)
+    return rows
 
 
 def section_tune_decode(device, smoke):
@@ -333,8 +360,7 @@ def section_tune_seq(device, smoke):
     shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64)]
     if ARGS.get("shapes") and not smoke:
         shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
-    names = ("_seq_config", "_fwd_fuse_o", "_prep_warps", "_pre_config")
-    saved = {n: getattr(kernel, n) for n in names}
+    saved = {n: getattr(kernel, n) for n in ("_seq_config", "_fwd_fuse_o", "_prep_warps", "_pre_config")}
     variants = []  # (shape, backward, name, patch)
     for shape in shapes:
         BH, V = shape[0] * shape[2], shape[3]
@@ -358,37 +384,17 @@ def section_tune_seq(device, smoke):
                 variants.append((shape, True, f"bwd state BV={bv0} warps={nw} stages={ns}",
                                  dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd
                                       else saved["_seq_config"](BH, V, fp32, bwd))))
-    rows = []
-    for i, (shape, backward, name, patch) in enumerate(variants):
-        if i < int(ARGS.get("start", 0)):
-            continue
-        for n, f in patch.items():
-            setattr(kernel, n, f)
-        try:
-            ms, mem = timed(ours_chunk, inputs(*shape, device, backward), backward, device)
-        except Exception as err:
-            rows.append([str(shape), "fwd+bwd" if backward else "fwd", name, type(err).__name__, ""])
-            print(rows[-1], flush=True)
-            if "illegal" in str(err) or type(err).__name__ == "AcceleratorError":
-                print(f"RESTART_AT={i + 1}", flush=True)
-                os._exit(3)
-            continue
-        finally:
-            for n in names:
-                setattr(kernel, n, saved[n])
-        rows.append([str(shape), "fwd+bwd" if backward else "fwd", name, ms, mem])
-        print(rows[-1], flush=True)
     return "kernel.py sequential-kernel variants (ms, do_bench median; peak MiB)", \
-        ["shape", "pass", "variant", "ms", "peak MiB"], rows
+        ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
 
 
 def section_profile(device, smoke):
     """Time per kernel of one forward + backward (torch.profiler, CUDA time summed over 5 calls)."""
-    shapes = [(1, 100, 2, 32)] if smoke else [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 8, 64)]
+    shapes = [(1, 100, 2, 32)] if smoke else [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 8, 64), MODEL_HEADS]
     rows = []
-    for B, T, H, D in shapes:
-        xs = inputs(B, T, H, D, device, True)
-        do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+    for B, T, H, D, *V in shapes:
+        xs = inputs(B, T, H, D, device, True, V=V[0] if V else None)
+        do = torch.randn_like(xs[2])
         ours_chunk(*xs).backward(do)
         acts = [torch.profiler.ProfilerActivity.CPU]
         acts += [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []
@@ -400,7 +406,7 @@ def section_profile(device, smoke):
         for ev in prof.key_averages():
             us = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
             if us > 0 and "_kernel" in ev.key:
-                rows.append([f"({B}, {T}, {H}, {D})", ev.key, us / 5 / 1e3])
+                rows.append([str((B, T, H, D, *V)), ev.key, us / 5 / 1e3])
     return "time per kernel in one fwd+bwd (ms)", ["shape", "kernel", "ms"], rows
 
 

@@ -786,28 +786,39 @@ def _pre_config(BK, V, fp32=False):
 
 
 def _bwd_chunk_config(BK, V, fp32=False):
-    """(value columns per step, warps) of _bwd_cc_kernel, the chunk backward's value loop (bench.py's tune
-    section replaces it by this name). BV = 64 with 4 warps, measured on an H200 (`python bench.py
+    """(value columns per step, warps, pipeline stages) of _bwd_cc_kernel, the chunk backward's value loop (bench.py's
+    tune section replaces it by this name). BV = 64 with 4 warps, measured on an H200 (`python bench.py
     --section=tune`, forward + backward, ms): (8, 4096, 16, 128) 4.52 against 5.90 for BV = 16 with 8 warps
     (the fewest spills in ptxas: 16 B against 844 B at BV = 64), (1, 32768, 16, 128) 6.15 against 7.52,
     (16, 2048, 8, 64) 1.12 against 1.53. Fewer, wider steps of the value loop beat the spills."""
     if fp32:
-        return 16, 4
-    return min(64, max(16, triton.next_power_of_2(V))), 4
+        return 16, 4, 1
+    return min(64, max(16, triton.next_power_of_2(V))), 4, 1
 
 
-def _bwd_wy_warps(BK, fp32=False):
-    """Warps of _bwd_wy_kernel (8: no spills at K = 128; 4 spills 260 B)."""
-    return 4 if fp32 else 8
-
+def _bwd_wy_config(BK, fp32=False):
+    """(warps, pipeline stages) of _bwd_wy_kernel. Forward + backward on an H200 (`python bench.py --section=tune`,
+    ms, 8 warps against 4): 4.23 against 4.01 at the model's heads (32, 2048, 6, 96 / 192), 4.46 against 4.17 at
+    (8, 4096, 16, 128), but 1.13 against 1.44 at (16, 2048, 8, 64). 8 warps do not spill at K = 128, 4 spill 260 B
+    (tools/ptxas_report.py): the two programs an SM holds at 4 warps gain more. No loop to pipeline: the stages are
+    Triton's default."""
+    if fp32:
+        return 4, 3
+    return (4 if BK >= 128 else 8), 3
 
 
 def _bwd_dqk_config(BK, V, fp32=False):
-    """(key columns per program, value columns per step, warps) of _bwd_dqk_kernel (BKB 64, BV 32, 8 warps:
-    no spills at K = 128; BV 64 with 4 warps spills 1044 B)."""
+    """(key columns per program, value columns per step, warps, pipeline stages) of _bwd_dqk_kernel. From K = 96
+    (BK 128) on: 32 key columns, 32 value columns, 4 warps, 2 stages; measured on an H200 (`python bench.py
+    --section=tune`, forward + backward, ms) against the 64 / 32 / 8 / 1 before: 3.66 against 4.23 at the model's
+    heads (32, 2048, 6, 96 / 192: three programs of 32 columns instead of two of 64, one half empty), 4.05 against
+    4.46 at (8, 4096, 16, 128). At (16, 2048, 8, 64) 2 stages were slower (1.46 against 1.13): 64 / 32 / 8 / 1 there.
+    Key 32 / value 64 with 4 warps faulted the GPU at the model's heads (Triton 3.6)."""
     if fp32:
-        return min(BK, 32), 16, 4
-    return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8
+        return min(BK, 32), 16, 4, 1
+    if BK >= 128:
+        return 32, 32, 4, 2
+    return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8, 1
 
 
 def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
@@ -880,19 +891,20 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, c
     dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
     dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
     dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
-    BVB, nw = _bwd_chunk_config(BK, V, q.dtype == torch.float32)
+    BVB, nw, ns = _bwd_chunk_config(BK, V, fp32)
     _bwd_cc_kernel[(N, B * H)](
         q, k, v, do, dv, bl, beta, ar, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=1)
+        K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
+    nw, ns = _bwd_wy_config(BK, fp32)
     _bwd_wy_kernel[(N, B * H)](
         q, k, g, eta, bl, beta, ar, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
-        K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=_bwd_wy_warps(BK, q.dtype == torch.float32))
+        K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
     del dovn, dp, dbl
-    BKB, BVB, nw = _bwd_dqk_config(BK, V, q.dtype == torch.float32)
+    BKB, BVB, nw, ns = _bwd_dqk_config(BK, V, fp32)
     _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
         q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
         K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
-        num_stages=1)
+        num_stages=ns)
     return dq, dk, dv, dg, deta, dh0
 
 

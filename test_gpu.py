@@ -363,6 +363,9 @@ def main():
             (1, 20000, 4, 128, 128, bf16, False, True, wide, dict(seqs=200, grad=False)),
             (1, 5000, 4, 64, 64, bf16, True, False, unit, dict(seqs=50)),
             (1, 5000, 4, 128, 128, bf16, True, True, wide, dict(seqs=50, decay="cut")),
+            # the model's own heads (GPT-2 small's KLA: d_k 96, d_v 192)
+            (4, 2048, 6, 96, 192, bf16, True, True, wide),
+            (1, 1000, 6, 96, 192, f32, True, True, wide),
         ]
         cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)

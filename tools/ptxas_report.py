@@ -59,11 +59,11 @@ def configs(K, fp32=False):
     base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="ieee" if fp32 else "tf32",
                 DT=tl.float32 if fp32 else tl.bfloat16)
     out = []
-    bv, nw = kernel._bwd_chunk_config(BK, K, fp32)
+    bv, nw, _ = kernel._bwd_chunk_config(BK, K, fp32)
     out.append((f"* _bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
-    nw = kernel._bwd_wy_warps(BK, fp32)
+    nw, _ = kernel._bwd_wy_config(BK, fp32)
     out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw))
-    bkb, bv, nw = kernel._bwd_dqk_config(BK, K, fp32)
+    bkb, bv, nw, _ = kernel._bwd_dqk_config(BK, K, fp32)
     out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw))
     if fp32:
         return out
