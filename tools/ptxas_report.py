@@ -59,19 +59,20 @@ def configs(K, fp32=False):
     base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="ieee" if fp32 else "tf32",
                 DT=tl.float32 if fp32 else tl.bfloat16)
     out = []
-    bv, nw, _ = kernel._bwd_chunk_config(BK, K, fp32)
-    out.append((f"* _bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
-    nw, _ = kernel._bwd_wy_config(BK, fp32)
-    out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw))
-    bkb, bv, nw, _ = kernel._bwd_dqk_config(BK, K, fp32)
-    out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw))
+    bv, nw, ns = kernel._bwd_chunk_config(BK, K, fp32)
+    out.append((f"* _bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw, ns))
+    nw, ns = kernel._bwd_wy_config(BK, fp32)
+    out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw, ns))
+    bkb, bv, nw, ns = kernel._bwd_dqk_config(BK, K, fp32)
+    out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw, ns))
     if fp32:
         return out
     for bv, nw in ((16, 4), (32, 8), (64, 8)):
-        out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw))
-    out.append((f"_bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, 4))
-    for bv, nw in ((16, 4), (64, 8), (64, 4)):
-        out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=min(BK, 64), BV=bv), nw))
+        out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw, 1))
+    for nw in (4, 8):
+        out.append((f"_bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw, 3))
+    for bkb, bv, nw in ((64, 32, 8), (64, 16, 4), (64, 64, 8), (64, 64, 4), (32, 32, 4)):
+        out.append((f"_bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=min(BK, bkb), BV=bv), nw, 1))
     return out
 
 
@@ -80,13 +81,13 @@ def main():
     fp32 = "--fp32" in sys.argv
     sel = [a for a in sys.argv[1:] if a != "--fp32"]
     for K in (128, 64):
-        for name, fn, cx, nw in configs(K, fp32):
+        for name, fn, cx, nw, ns in configs(K, fp32):
             if sel and not any(s in name for s in sel):
                 continue
             cx = {k: v for k, v in cx.items() if k in fn.arg_names}
-            regs, spill, smem = compile_report(fn, cx, nw, "fp32" if fp32 else "bf16")
+            regs, spill, smem = compile_report(fn, cx, nw, "fp32" if fp32 else "bf16", ns)
             shown = {k: v for k, v in cx.items() if k in ("BV", "BKB")}
-            print(f"{name:36s} {str(shown):24s} warps {nw}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
+            print(f"{name:36s} {str(shown):24s} warps {nw}, stages {ns}: {regs} regs, spill st/ld {spill} B, smem {smem} B",
                   flush=True)
 
 
