@@ -802,9 +802,7 @@ def _bwd_wy_config(BK, fp32=False):
     (8, 4096, 16, 128), but 1.13 against 1.44 at (16, 2048, 8, 64). 8 warps do not spill at K = 128, 4 spill 260 B
     (tools/ptxas_report.py): the two programs an SM holds at 4 warps gain more. No loop to pipeline: the stages are
     Triton's default."""
-    if fp32:
-        return 4, 3
-    return (4 if BK >= 128 else 8), 3
+    return (4 if fp32 or BK >= 128 else 8), 3
 
 
 def _bwd_dqk_config(BK, V, fp32=False):
