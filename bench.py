@@ -5,7 +5,8 @@ Sections (comma-separated; default kernel,decode):
   kernel  kernel.kla_chunk against the same KLA layer through fla-core 0.6.0's and FlashQLA 0.1.3's
           chunk_gated_delta_rule (beta = eta / (||k||^2 + eps) computed in PyTorch, use_qk_l2norm_in_kernel=False)
           and FlashQLA's own GDN, bf16, forward and forward + backward, triton.testing.do_bench medians in the
-          same run; peak memory of one call. FlashQLA runs where it imports and K = V = 128.
+          same run; peak memory of one call. FlashQLA runs where it imports and K = V = 128. --rows=5b,1f picks
+          rows (a shape's index, then f: forward, b: forward + backward) and runs them in that order.
   varlen  kla_chunk on 64 packed documents (cu_seqlens) summing to 32768 tokens against the same tokens as one
           sequence, forward and forward + backward, and fla's and FlashQLA's varlen chunk_gated_delta_rule
           (beta in PyTorch) on the same cu_seqlens.
@@ -147,32 +148,37 @@ def section_kernel(device, smoke):
     """kla_chunk against the same KLA layer through fla's and FlashQLA's GDN kernels (beta in PyTorch), and
     FlashQLA's own GDN; FlashQLA only where it runs (K = V = 128). The last shape is the model's own heads
     (GPT-2 small: 6 heads, d_k 96, d_v 192, 32 x 2048 tokens a step)."""
-    fla_chunk, _ = load_fla()
-    qla_chunk = load_flash_qla()
     shapes = [(16, 2048, 8, 64, 64, True), (8, 4096, 16, 128, 128, True), (4, 8192, 16, 128, 128, True),
               (1, 32768, 16, 128, 128, True), (1, 131072, 16, 128, 128, False), MODEL_HEADS + (True,)]
     if smoke:
         shapes = [(1, 100, 2, 32, 32, True)]
     nan = (float("nan"), float("nan"))
     rows = []
-    pick = ARGS.get("rows")  # e.g. --rows=2b,3,4: shape index, then f (forward only) or b (fwd+bwd only)
-    for i, (B, T, H, K, V, with_bwd) in enumerate(shapes):
-        for backward in ([False, True] if with_bwd else [False]):
-            if pick and not any(p == str(i) or p == f"{i}{'b' if backward else 'f'}" for p in pick.split(",")):
-                continue
-            xs = inputs(B, T, H, K, device, requires_grad=backward, V=V)
-            ours = timed(ours_chunk, xs, backward, device)
-            fla = timed(kla_through(fla_chunk), xs, backward, device) if fla_chunk else nan
-            qla_ok = qla_chunk is not None and K == V == 128
-            qla = timed(kla_through(qla_chunk), xs, backward, device) if qla_ok else nan
-            qla_gdn = timed(gdn_through(qla_chunk), xs, backward, device) if qla_ok else nan
-            rows.append([f"({B}, {T}, {H}, {K}, {V})", "fwd+bwd" if backward else "fwd", ours[0], fla[0], qla[0],
-                         qla_gdn[0], ours[0] / fla[0], ours[0] / qla[0], ours[0] / qla_gdn[0], ours[1], fla[1],
-                         qla[1]])
-            print(rows[-1], flush=True)
-            del xs
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    runs = [(i, bwd) for i, shape in enumerate(shapes) for bwd in ([False, True] if shape[-1] else [False])]
+    if ARGS.get("rows"):  # e.g. --rows=5b,2,0f: shape index, then f (forward only) or b (fwd+bwd only), in that order
+        named = lambda p: [r for r in runs if p in (str(r[0]), f"{r[0]}{'bf'[not r[1]]}")]
+        for p in ARGS["rows"].split(","):
+            if not named(p):
+                sys.exit(f"error: --rows={ARGS['rows']}: '{p}' names no row; give a shape index 0..{len(shapes) - 1}"
+                         f", alone or followed by f (forward) or b (forward + backward)")
+        runs = [r for p in ARGS["rows"].split(",") for r in named(p)]
+    fla_chunk, _ = load_fla()
+    qla_chunk = load_flash_qla()
+    for i, backward in runs:
+        B, T, H, K, V, _ = shapes[i]
+        xs = inputs(B, T, H, K, device, requires_grad=backward, V=V)
+        ours = timed(ours_chunk, xs, backward, device)
+        fla = timed(kla_through(fla_chunk), xs, backward, device) if fla_chunk else nan
+        qla_ok = qla_chunk is not None and K == V == 128
+        qla = timed(kla_through(qla_chunk), xs, backward, device) if qla_ok else nan
+        qla_gdn = timed(gdn_through(qla_chunk), xs, backward, device) if qla_ok else nan
+        rows.append([f"({B}, {T}, {H}, {K}, {V})", "fwd+bwd" if backward else "fwd", ours[0], fla[0], qla[0],
+                     qla_gdn[0], ours[0] / fla[0], ours[0] / qla[0], ours[0] / qla_gdn[0], ours[1], fla[1],
+                     qla[1]])
+        print(rows[-1], flush=True)
+        del xs
+        if device == "cuda":
+            torch.cuda.empty_cache()
     head = ["shape (B, T, H, K, V)", "pass", "ours ms", "fla KLA ms", "FlashQLA KLA ms", "FlashQLA GDN ms",
             "ours / fla", "ours / FlashQLA KLA", "ours / FlashQLA GDN", "ours peak MiB", "fla peak MiB",
             "FlashQLA peak MiB"]

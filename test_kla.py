@@ -1331,6 +1331,18 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "bench.md").read_text().count("### ") == len(sections.split(","))
 
 
+def test_bench_kernel_rows_in_the_order_given(tmp_path):
+    """bench.py --rows picks the kernel section's rows and runs them in the order given; a name that matches no
+    row is refused in one line before anything is timed."""
+    p = run("bench.py", "--smoke", "--section=kernel", "--rows=0,7f", f"--out={tmp_path}")
+    assert p.returncode != 0 and "'7f' names no row" in p.stderr and "0..0" in p.stderr, p.stderr
+    assert not (tmp_path / "bench.json").exists()
+    p = run("bench.py", "--smoke", "--section=kernel", "--rows=0b,0f", f"--out={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["sections"]["kernel"]["rows"]
+    assert [r[1] for r in rows] == ["fwd+bwd", "fwd"], rows
+
+
 def test_experiments_summary_gives_no_spread_for_one_seed():
     """The summary table shows mean ± sample std over seeds, and a bare mean where one seed ran."""
     rows = [{"mixer": "kla", "loss@1": "2.0"}, {"mixer": "kla", "loss@1": "3.0"}, {"mixer": "attn", "loss@1": "2.5"}]
