@@ -156,12 +156,12 @@ def section_kernel(device, smoke):
     rows = []
     runs = [(i, bwd) for i, shape in enumerate(shapes) for bwd in ([False, True] if shape[-1] else [False])]
     if ARGS.get("rows"):  # e.g. --rows=5b,2,0f: shape index, then f (forward only) or b (fwd+bwd only), in that order
-        named = lambda p: [r for r in runs if p in (str(r[0]), f"{r[0]}{'bf'[not r[1]]}")]
-        for p in ARGS["rows"].split(","):
-            if not named(p):
+        named = {p: [r for r in runs if p in (str(r[0]), f"{r[0]}{'bf'[not r[1]]}")] for p in ARGS["rows"].split(",")}
+        for p, picked in named.items():
+            if not picked:
                 sys.exit(f"error: --rows={ARGS['rows']}: '{p}' names no row; give a shape index 0..{len(shapes) - 1}"
                          f", alone or followed by f (forward) or b (forward + backward)")
-        runs = [r for p in ARGS["rows"].split(",") for r in named(p)]
+        runs = [r for picked in named.values() for r in picked]
     fla_chunk, _ = load_fla()
     qla_chunk = load_flash_qla()
     for i, backward in runs:
