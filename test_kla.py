@@ -2602,3 +2602,20 @@ def test_fused_loss_only_when_training():
         (want, want_loss), (got, got_loss) = plain(idx, idx), fused(idx, idx)
     assert torch.equal(got, want) and torch.equal(got_loss, want_loss)
     assert fused(idx, torch.full_like(idx, -1))[1].isnan() and plain(idx, torch.full_like(idx, -1))[1].isnan()
+
+
+def test_evaluation_loss_in_chunks(monkeypatch):
+    """Without gradients (train.py's estimate_loss) the loss is F.cross_entropy's mean over the returned logits,
+    computed a chunk of rows at a time (never a float32 copy of every row's logits); every target ignored: NaN."""
+    m = GPT(tiny_config("kla"))
+    idx = torch.randint(0, 61, (3, 20))
+    targets = idx.clone()
+    targets[0, :5] = -1
+    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: 9 chunks of 60 rows, the last shorter
+    rows, cross_entropy = [], F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda x, *a, **k: rows.append(x.shape[0]) or cross_entropy(x, *a, **k))
+    with torch.no_grad():
+        logits, loss = m(idx, targets)
+        assert rows == [7] * 8 + [4]
+        assert rel_err(loss, cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)) < 1e-6
+        assert m(idx, torch.full_like(idx, -1))[1].isnan()
