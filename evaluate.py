@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import GPT, doc_seqlens, read_checkpoint
+from model import GPT, chunked_cross_entropy, doc_seqlens, read_checkpoint
 
 # -----------------------------------------------------------------------------
 out_dir = "out"
@@ -121,7 +121,7 @@ def segments(x, y):
     for s in range(0, X.shape[1], block_size):
         with ctx:
             logits, _ = model(X[:, s:s + block_size], Y[:, s:s + block_size], cache=cache)
-        yield logits.float(), Y[:, s:s + block_size]
+        yield logits, Y[:, s:s + block_size]
 
 
 @torch.no_grad()
@@ -136,7 +136,7 @@ def packed(x, y):
         X, Y = X.to(device), Y.to(device)
         with ctx:
             logits, _ = model(X, Y, cu_seqlens=cu_seqlens)
-        yield logits.float(), Y
+        yield logits, Y
 
 
 def recall_accuracy(length):
@@ -163,7 +163,7 @@ def lm_loss(split, length):
         ix = rng.integers(len(data) - length, size=batch_size)
         batch = np.stack([data[i:i + length + 1] for i in ix]).astype(np.int64)
         for logits, Y in (packed if documents else segments)(batch[:, :-1], batch[:, 1:]):
-            total += F.cross_entropy(logits.flatten(0, 1), Y.flatten(), ignore_index=-1, reduction="sum").item()
+            total += chunked_cross_entropy(logits, Y, "sum").item()
             count += (Y != -1).sum().item()
     return total / count, count
 
@@ -186,7 +186,7 @@ def lm_padded(length):
     losses = []
     for i in range(0, len(windows), batch_size):
         w = windows[i:i + batch_size]
-        losses.append(torch.cat([F.cross_entropy(logits.transpose(1, 2), Y, reduction="none").cpu()
+        losses.append(torch.cat([F.cross_entropy(logits.float().transpose(1, 2), Y, reduction="none").cpu()
                                  for logits, Y in segments(w[:, :-1], w[:, 1:])], 1))
     loss, real = torch.cat(losses), torch.from_numpy(real)
     return {"padded_loss": loss.mean().item(), "document_loss": loss[real].mean().item(),
