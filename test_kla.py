@@ -2612,7 +2612,7 @@ def test_evaluation_loss_in_chunks(monkeypatch):
     idx = torch.randint(0, 61, (3, 20))
     targets = idx.clone()
     targets[0, :5] = -1
-    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: 9 chunks of 60 rows, the last shorter
+    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: the 60 rows in 8 chunks of 7 and one of 4
     rows, cross_entropy = [], F.cross_entropy
     monkeypatch.setattr(F, "cross_entropy", lambda x, *a, **k: rows.append(x.shape[0]) or cross_entropy(x, *a, **k))
     with torch.no_grad():
