@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import GPT, chunked_cross_entropy, doc_seqlens, read_checkpoint
+from model import GPT, doc_seqlens, read_checkpoint
 
 # -----------------------------------------------------------------------------
 out_dir = "out"
@@ -114,19 +114,19 @@ def read(name, dtype, length):
 
 @torch.no_grad()
 def segments(x, y):
-    """(logits, targets) of consecutive block_size segments of the sequences x, y (B, T), the state
+    """(logits, mean loss, targets) of consecutive block_size segments of the sequences x, y (B, T), the state
     carried from one segment to the next."""
     X, Y = (torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device) for a in (x, y))
     cache = model.new_cache()
     for s in range(0, X.shape[1], block_size):
         with ctx:
-            logits, _ = model(X[:, s:s + block_size], Y[:, s:s + block_size], cache=cache)
-        yield logits, Y[:, s:s + block_size]
+            logits, loss = model(X[:, s:s + block_size], Y[:, s:s + block_size], cache=cache)
+        yield logits, loss, Y[:, s:s + block_size]
 
 
 @torch.no_grad()
 def packed(x, y):
-    """(logits, targets) of each sequence of x, y (B, T) read in one pass as its documents (train.py's
+    """(logits, mean loss, targets) of each sequence of x, y (B, T) read in one pass as its documents (train.py's
     documents=True): a document starts at the sequence's start and after each end-of-text token, whose
     target (the next document's first token) is not predicted (-1)."""
     for row_x, row_y in zip(x, y):
@@ -135,8 +135,8 @@ def packed(x, y):
         Y[X == eot] = -1
         X, Y = X.to(device), Y.to(device)
         with ctx:
-            logits, _ = model(X, Y, cu_seqlens=cu_seqlens)
-        yield logits, Y
+            logits, loss = model(X, Y, cu_seqlens=cu_seqlens)
+        yield logits, loss, Y
 
 
 def recall_accuracy(length):
@@ -145,7 +145,7 @@ def recall_accuracy(length):
     n = min(len(x), max_examples or len(x))
     correct = total = 0
     for i in range(0, n, batch_size):
-        for logits, Y in segments(x[i:min(i + batch_size, n)], y[i:min(i + batch_size, n)]):
+        for logits, _, Y in segments(x[i:min(i + batch_size, n)], y[i:min(i + batch_size, n)]):
             asked = Y != -1
             correct += (logits.argmax(-1)[asked] == Y[asked]).sum().item()
             total += asked.sum().item()
@@ -162,9 +162,9 @@ def lm_loss(split, length):
     for _ in range(eval_batches):
         ix = rng.integers(len(data) - length, size=batch_size)
         batch = np.stack([data[i:i + length + 1] for i in ix]).astype(np.int64)
-        for logits, Y in (packed if documents else segments)(batch[:, :-1], batch[:, 1:]):
-            total += chunked_cross_entropy(logits, Y, "sum").item()
-            count += (Y != -1).sum().item()
+        for _, loss, Y in (packed if documents else segments)(batch[:, :-1], batch[:, 1:]):
+            n = (Y != -1).sum().item()  # the model's mean over them (NaN for none)
+            total, count = total + (loss.item() * n if n else 0.0), count + n
     return total / count, count
 
 
@@ -187,7 +187,7 @@ def lm_padded(length):
     for i in range(0, len(windows), batch_size):
         w = windows[i:i + batch_size]
         losses.append(torch.cat([F.cross_entropy(logits.float().transpose(1, 2), Y, reduction="none").cpu()
-                                 for logits, Y in segments(w[:, :-1], w[:, 1:])], 1))
+                                 for logits, _, Y in segments(w[:, :-1], w[:, 1:])], 1))
     loss, real = torch.cat(losses), torch.from_numpy(real)
     return {"padded_loss": loss.mean().item(), "document_loss": loss[real].mean().item(),
             "padding_share": 1 - real.float().mean().item(), "documents": len(windows)}

@@ -643,16 +643,16 @@ PREFILL_SEGMENT = 16384
 LOSS_CHUNK = 2**27  # logits a chunk of the loss (FusedCrossEntropy, evaluation): 2,668 rows at vocabulary 50304
 
 
-def chunked_cross_entropy(logits, targets, reduction="mean"):
-    """F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction=reduction) ('mean' or 'sum') of logits
-    (..., vocab) without gradients, a chunk of LOSS_CHUNK logits at a time: the float32 copy and its log-softmax
-    never exist for every row at once (at 32 x 1024 tokens and vocabulary 50304, 1.1 GB of temporaries in place of
-    13.2 GB)."""
+def chunked_cross_entropy(logits, targets):
+    """F.cross_entropy(logits.float(), targets, ignore_index=-1) (the mean) of logits (..., vocab) without gradients,
+    a chunk of LOSS_CHUNK logits at a time: the float32 copy and its log-softmax never exist for every row at once
+    (at 32 x 1024 tokens and vocabulary 50304, 1.1 GB of temporaries in place of 13.2 GB)."""
     logits, targets = logits.flatten(0, -2), targets.reshape(-1)
     rows, total = max(1, LOSS_CHUNK // logits.shape[-1]), 0.0
     for i in range(0, logits.shape[0], rows):
-        total = total + F.cross_entropy(logits[i:i + rows].float(), targets[i:i + rows], ignore_index=-1, reduction="sum")
-    return total if reduction == "sum" else total / (targets != -1).sum()
+        total = total + F.cross_entropy(logits[i:i + rows].float(), targets[i:i + rows], ignore_index=-1,
+                                        reduction="sum")
+    return total / (targets != -1).sum()
 
 
 class FusedCrossEntropy(torch.autograd.Function):
