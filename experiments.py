@@ -29,7 +29,8 @@ for the next call to resume, e.g. on a machine that keeps --root between calls).
 --data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
 results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
 already there), its mixer and step_rule (empty: the mixer's own); <task>.png beside it plots the mean and spread
-over seeds per mixer (or rule) against the evaluation length.
+over seeds per mixer (or rule) against the evaluation length. A task with no evaluated run under --root keeps its
+table and plot as they are.
 """
 import csv
 import json
@@ -164,6 +165,10 @@ def run_all():
 
 def collect_results():
     for task, (_, dataset, column) in TASKS.items():
+        names = [n for n in (sorted(os.listdir(root)) if os.path.isdir(root) else [])
+                 if n.startswith(task + "-") and os.path.exists(os.path.join(root, n, "eval.json"))]
+        if not names:  # no run of this task under --root: its table stays as it is
+            continue
         out = results_dir or os.path.join("results", task)
         path = os.path.join(out, f"{task}.csv")
         rows = {}
@@ -171,9 +176,7 @@ def collect_results():
             with open(path) as f:
                 rows = {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
                         for r in csv.DictReader(f)}
-        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-            if not name.startswith(task + "-") or not os.path.exists(os.path.join(root, name, "eval.json")):
-                continue
+        for name in names:
             ev = json.load(open(os.path.join(root, name, "eval.json")))
             log = [json.loads(line) for line in open(os.path.join(root, name, "log.jsonl"))]
             vals = [r["val_loss"] for r in log if "val_loss" in r]

@@ -2530,8 +2530,12 @@ def test_train_and_evaluate_stack_and_palindrome(tmp_path):
 
 def test_experiments_collects_the_test_loss(tmp_path):
     """experiments.py's lm table reports test_loss@<length> and keeps val_loss@<length> beside it; a run
-    evaluated without a test split (no test_loss) is left out, saying so."""
+    evaluated without a test split (no test_loss) is left out, saying so. The table of a task without runs under
+    --root is left as it was."""
     root = tmp_path / "exp"
+    (tmp_path / "res").mkdir()
+    other = "mixer,seed,accuracy@256\nkla,1,0.5000\n"  # an older table, without the step_rule column
+    (tmp_path / "res" / "mqar.csv").write_text(other)
     for name, results in (("lm-kla-1", [{"length": 512, "test_loss": 1.5, "val_loss": 1.6, "tokens": 9}]),
                           ("lm-gdn-1", [{"length": 512, "loss": 1.7, "tokens": 9}])):
         (root / name).mkdir(parents=True)
@@ -2543,6 +2547,7 @@ def test_experiments_collects_the_test_loss(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "res" / "lm.csv")))
     assert [(r["mixer"], r["test_loss@512"], r["val_loss@512"]) for r in rows] == [("kla", "1.5000", "1.6000")]
     assert "skipped lm-gdn-1: its eval.json has no test_loss" in p.stdout and "| kla | 1 | 1.50 |" in p.stdout
+    assert (tmp_path / "res" / "mqar.csv").read_text() == other and "mqar:" not in p.stdout
 
 
 # -----------------------------------------------------------------------------
