@@ -23,9 +23,11 @@ Tasks (their config file holds every hyper-parameter; flags after --train_args o
 STEP_RULES; 'deltanet' is the rule 'unit' with --decay=False), a run each named <task>-<rule>-<seed>.
 Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
 eval.json exists is skipped, so seeds can be added later; one with a checkpoint but no eval.json (stopped or
-killed) is resumed from it. --deadline=S stops the training runs still going after S seconds (their best
-checkpoint so far is evaluated, and the iteration reached is recorded; with --eval_stopped=False they are left
-for the next call to resume, e.g. on a machine that keeps --root between calls).
+killed) is resumed from it; if train.py had ended it (early stop or max_iters, its evaluation unfinished),
+train.py says there is nothing left to train and the run is evaluated. --deadline=S stops the training runs
+still going after S seconds (their best checkpoint so far is evaluated, and the iteration reached is recorded;
+with --eval_stopped=False they are left for the next call to resume, e.g. on a machine that keeps --root
+between calls).
 --data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
 results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
 already there), its mixer and step_rule (empty: the mixer's own); <task>.png beside it plots the mean and spread

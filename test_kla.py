@@ -1403,6 +1403,12 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
     assert evals == [0, 3, 6, 9]  # went on from 6 (its evaluation there logged once), not from 0
     rows = list(csv.DictReader(open(res / "mqar_small.csv")))
     assert [(r["mixer"], r["seed"], r["last_iter"]) for r in rows] == [("kla", "1", "9")]
+    # a run that train.py ended but whose evaluation did not finish: evaluated again, not trained again
+    (run_dir / "eval.json").unlink()
+    p = run(*exp, "--train_args=" + " ".join(small + ["--max_iters=9"]), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "nothing left to train" in p.stdout and "evaluated 1 runs" in p.stdout, p.stdout
+    assert [json.loads(line)["iter"] for line in open(run_dir / "log.jsonl") if '"val_loss"' in line] == evals
     # a run that fails: its exit status and its last line in experiments.py's own output
     p = run(*exp, "--seeds=2", "--train_args=" + " ".join(small + ["--max_iters=0"]), timeout=300)
     assert p.returncode == 0, p.stderr
@@ -1475,7 +1481,7 @@ def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
     for code, err in run_each("train.py", list(runs.values())):
         assert code == 0, err
     logs = {name: train_log(str(tmp_path / name)) for name in runs}
-    assert all(math.isfinite(r.get("loss", r.get("val_loss"))) for log in logs.values() for r in log)
+    assert all(math.isfinite(r.get("loss", r.get("val_loss"))) for log in logs.values() for r in log if "end" not in r)
     assert logs["kla-True"][0]["val_loss"] != logs["kla-False"][0]["val_loss"]
     cases = [[f"--out_dir={tmp_path / name}", "--device=cpu", "--dtype=float32", "--documents=True", "--factors=1,2",
               "--eval_batches=1", "--batch_size=2"] for name in ("kla-True", "attn-True")]
@@ -1986,6 +1992,37 @@ def test_run_ends_at_its_best_weights(tiny_data, tmp_path):
     assert f"restored the best weights (val loss {min(vals[1:]):.4f})" in p.stdout, p.stdout
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["best_val_loss"] == min(vals[1:])
+
+
+def test_resume_of_an_ended_run(tiny_data, tmp_path):
+    """A run that ended keeps its best weights, here of an earlier iteration than its end: a resume with the
+    same max_iters, or the same patience after an early stop, stops before any work (where the run ended,
+    where its best weights are) and leaves the checkpoint and the log as they were; a higher max_iters or
+    patience goes on from the best weights."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--warmup_iters=0", "--decay_lr=False",
+            "--weight_decay=0", "--eval_interval=3", "--init_from=resume"]
+    assert run("train.py", *args[:-1], "--learning_rate=1e-2", "--max_iters=9").returncode == 0
+    p = run("train.py", *args, "--learning_rate=3", "--max_iters=12")  # worse after its best (as above)
+    assert p.returncode == 0, p.stderr
+    best = torch.load(tmp_path / "ckpt.pt", weights_only=True)["iter_num"]
+    assert best < 12, best  # else the test proves nothing
+    files = lambda: [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")]  # noqa: E731
+    before = files()
+    p = run("train.py", *args, "--learning_rate=3", "--max_iters=12")
+    assert_clean_error(p, f"the run ended at max_iters = 12 (its best weights, of iteration {best}, are in",
+                       "nothing left to train; set --max_iters higher")
+    assert files() == before
+    p = run("train.py", *args, "--learning_rate=3", "--max_iters=30", "--patience=1")
+    assert p.returncode == 0 and "no better val loss in 1 evaluations" in p.stdout, p.stdout
+    end = train_log(str(tmp_path))[-1]
+    assert end["end"] == "early stop" and end["iter"] < 30, end
+    before = files()
+    p = run("train.py", *args, "--learning_rate=3", "--max_iters=30", "--patience=1")
+    assert_clean_error(p, f"the run stopped early at iteration {end['iter']}, no better val loss in 1 evaluations",
+                       "nothing left to train at patience = 1; set --patience higher")
+    assert files() == before
+    p = run("train.py", *args, "--learning_rate=0", "--max_iters=30", "--patience=2")
+    assert p.returncode == 0, p.stderr
 
 
 def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path):

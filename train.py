@@ -115,6 +115,17 @@ def fail(msg):
     sys.exit(1)
 
 
+def run_end(path):
+    """The record that a run ended with, if it is the last of its log (path: out_dir/log.jsonl), else None:
+    {"iter": where it ended, "end": "early stop" or "max_iters", "patience": the patience it ran with}."""
+    try:
+        with open(path) as f:
+            last = json.loads(f.read().splitlines()[-1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return last if isinstance(last, dict) and "end" in last else None
+
+
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 device_type = check_device(device, dtype)
 check("out_dir", out_dir and not os.path.isfile(out_dir), "a directory (made if missing), not a file")
@@ -167,6 +178,7 @@ try:
 except ValueError as err:
     fail(str(err))
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
+log_path = os.path.join(out_dir, "log.jsonl")
 if init_from == "scratch" and os.path.exists(ckpt_path):
     fail(f"{ckpt_path} holds a trained model: continue it with --init_from=resume, or train from scratch "
          f"into another --out_dir (or delete {ckpt_path} first)")
@@ -314,6 +326,17 @@ if init_from == "resume":
     if iter_num >= max_iters:
         fail(f"{ckpt_path} is at iteration {iter_num}, max_iters = {max_iters}: nothing left to train; "
              "set --max_iters higher")
+    # a run that ended keeps its best weights, often of an earlier iteration than its end: going on from them
+    # would train again what the run has done, so only a higher max_iters or patience continues it
+    end = run_end(log_path)
+    best = f"its best weights, of iteration {iter_num}, are in {ckpt_path}"
+    if end and end["end"] == "max_iters" and end["iter"] >= max_iters:
+        fail(f"{out_dir}: the run ended at max_iters = {end['iter']} ({best}): nothing left to train; "
+             "set --max_iters higher")
+    if end and end["end"] == "early stop" and 0 < patience <= end["patience"]:
+        fail(f"{out_dir}: the run stopped early at iteration {end['iter']}, no better val loss in {end['patience']} "
+             f"evaluations ({best}): nothing left to train at patience = {patience}; set --patience higher "
+             "(0: never stop early)")
 try:
     gptconf = GPTConfig(**model_args)
 except ValueError as err:
@@ -431,9 +454,6 @@ def save_checkpoint():
              + ("; free some space, then continue with --init_from=resume" if err.errno == errno.ENOSPC else ""))
 
 
-log_path = os.path.join(out_dir, "log.jsonl")
-
-
 def log(record):
     """Append one record to out_dir/log.jsonl, the machine-readable twin of the printed lines."""
     try:
@@ -529,9 +549,12 @@ while True:
                 if master_process:
                     print(f"no better val loss in {patience} evaluations: stopping at iteration {iter_num}; "
                           f"{ckpt_path} holds the best model (val loss {best_val_loss:.4f})")
+                    log({"iter": iter_num, "end": "early stop", "patience": patience})
                 break
         t0, n_timed = time.time(), 0  # the evaluation is not part of the iterations' time
     if iter_num >= max_iters:
+        if master_process:
+            log({"iter": iter_num, "end": "max_iters", "patience": patience})
         break
 
     # forward/backward over the micro-batches; DDP syncs the gradients only on the last one
