@@ -27,7 +27,7 @@ killed) is resumed from it; if train.py had ended it (early stop or max_iters, i
 train.py says there is nothing left to train and the run is evaluated. --deadline=S stops the training runs
 still going after S seconds (their best checkpoint so far is evaluated, and the iteration reached is recorded;
 with --eval_stopped=False they are left for the next call to resume, e.g. on a machine that keeps --root
-between calls).
+between calls). A SIGTERM (a scheduler's time limit, `kill`) does the same at once.
 --data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
 results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
 already there), its mixer and step_rule (empty: the mixer's own); <task>.png beside it plots the mean and spread
@@ -37,6 +37,7 @@ table and plot as they are.
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,7 +121,11 @@ def least_busy(devices, gpu_of, running):
     return min(devices, key=lambda g: sum(gpu_of[d] == g for d in running))
 
 
+stop_signal = []  # SIGTERM (a scheduler's time limit, `kill`) received: stop as at the deadline
+
+
 def run_all():
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_signal.append("SIGTERM"))
     for task in tasks.split(","):  # data first, once per dataset
         dataset = TASKS[task][1]
         if not os.path.exists(os.path.join(here, data_dir, dataset, "meta.json")):
@@ -129,8 +134,13 @@ def run_all():
     todo = [r for r in runs() if not os.path.exists(os.path.join(r[3], "eval.json"))]
     t0, waiting, running, done = time.time(), list(todo), {}, []
     devices, gpu_of = gpu_ids(), {}  # gpu_of: out_dir -> the GPU it runs on
+
+    def stop():
+        """Why the training runs stop now: 'SIGTERM', 'deadline', or '' (not yet)."""
+        return stop_signal[0] if stop_signal else "deadline" if deadline and time.time() - t0 > deadline else ""
+
     while waiting or running:
-        while waiting and len(running) < jobs and not (deadline and time.time() - t0 > deadline):
+        while waiting and len(running) < jobs and not stop():
             task, flags, seed, out_dir = waiting.pop(0)
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # stopped or killed before: go on from it
             cmd = ["train.py", TASKS[task][0], *flags, f"--seed={seed}", f"--out_dir={out_dir}",
@@ -139,10 +149,10 @@ def run_all():
             running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
             on = f" on GPU {gpu_of[out_dir]}" if gpu_of[out_dir] is not None else ""
             print(f"[{time.time() - t0:6.0f}s] {'resumed' if resume else 'started'} {out_dir}{on}", flush=True)
-        if deadline and time.time() - t0 > deadline:
+        if stop():
             for out_dir, p in running.items():
                 p.kill()  # checkpoints are written atomically: the last good one stays
-                print(f"[{time.time() - t0:6.0f}s] deadline: stopped {out_dir}", flush=True)
+                print(f"[{time.time() - t0:6.0f}s] {stop()}: stopped {out_dir}", flush=True)
             done += list(running) if eval_stopped else []
             running = {}
             waiting = []

@@ -13,6 +13,7 @@ import math
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -1413,6 +1414,30 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
     p = run(*exp, "--seeds=2", "--train_args=" + " ".join(small + ["--max_iters=0"]), timeout=300)
     assert p.returncode == 0, p.stderr
     assert f"finished {root / 'mqar_small-kla-2'} (exit 2)\n    config error: max_iters = 0: must be >= 1" in p.stdout, p.stdout
+
+
+def test_experiments_sigterm_stops_like_the_deadline(tmp_path):
+    """A SIGTERM to experiments.py (a scheduler's time limit) stops its training runs at once, as --deadline
+    does, evaluates their best checkpoint so far and writes the table: the work done is not lost."""
+    data, root, res = tmp_path / "data", tmp_path / "exp", tmp_path / "res"
+    train = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=3",
+             "--eval_iters=2", "--device=cpu", "--dtype=float32", "--compile=False", "--max_iters=100000"]
+    cmd = [sys.executable, os.path.join(ROOT, "experiments.py"), "--tasks=mqar_small", "--mixers=kla", "--seeds=1",
+           "--jobs=1", f"--root={root}", f"--results_dir={res}", f"--data_dir={data}", "--n_train=100",
+           "--eval_args=--max_examples=8 --device=cpu", "--train_args=" + " ".join(train)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ckpt, t0 = root / "mqar_small-kla-1" / "ckpt.pt", time.time()
+    while not ckpt.exists() and p.poll() is None and time.time() - t0 < 240:
+        time.sleep(0.5)
+    assert ckpt.exists(), p.communicate()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert f"SIGTERM: stopped {root / 'mqar_small-kla-1'}" in out and "evaluated 1 runs" in out, out
+    assert (root / "mqar_small-kla-1" / "eval.json").exists()
+    rows = list(csv.DictReader(open(res / "mqar_small.csv")))
+    assert [(r["mixer"], r["seed"]) for r in rows] == [("kla", "1")] and int(rows[0]["best_iter"]) >= 3
 
 
 @pytest.fixture(scope="module")
