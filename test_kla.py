@@ -1977,6 +1977,26 @@ def test_resume_other_config(trained, tiny_data):
     assert_clean_error(p, "checkpoint of another model", "n_embd=32 (this run: 64)")
 
 
+def test_resume_on_other_data_is_refused(trained, tmp_path):
+    """The same model resumed on other data of the same vocabulary (here the corpus prepared again from 21 plays
+    instead of 20, as a corpus prepared on a machine with other files would be) stops before any work, naming
+    what differs; the checkpoint and its log stay as they were."""
+    src = tmp_path / "plays" / "tragedies"
+    src.mkdir(parents=True)
+    for i in range(21):
+        (src / f"play{i}.md").write_text(PLAY * 6)
+    other = str(tmp_path / "data")
+    prepare_data.prepare("shakespeare_char", other, source_dir=str(tmp_path / "plays"))
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("ckpt.pt", "log.jsonl"):
+        shutil.copy(os.path.join(trained, name), out / name)
+    p = run("train.py", *TINY, f"--data_dir={other}", f"--out_dir={out}", "--init_from=resume", "--max_iters=12")
+    assert_clean_error(p, "ckpt.pt was trained on other data than", "train_tokens", "resume it on its own data")
+    for name in ("ckpt.pt", "log.jsonl"):
+        assert (out / name).read_bytes() == open(os.path.join(trained, name), "rb").read(), name
+
+
 def test_optimizer_state_of_another_shape(trained, tiny_data, tmp_path):
     """A checkpoint whose optimizer moments do not have the shapes of its weights (another version of train.py,
     or an edited file) is refused in one line, not converted."""

@@ -321,6 +321,14 @@ if init_from == "resume":
               if k not in ("backend", "dropout", "recompute_elementwise", "fused_loss") and saved[k] != v]
     if differ:
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
+    # the same model on other data (another dataset of the same vocabulary, the corpus prepared again on a machine
+    # with other files) would go on as if it were the same run: the data's meta.json must be the one it began with
+    trained_on = checkpoint.get("meta", {})
+    differ = [f"{k} {trained_on.get(k)!r} (here: {meta.get(k)!r})" for k in sorted(set(trained_on) | set(meta))
+              if trained_on.get(k) != meta.get(k)]
+    if differ:
+        fail(f"{ckpt_path} was trained on other data than {data_path}: {', '.join(differ)}; resume it on its own "
+             "data (--dataset, --data_dir), or train a new run into another --out_dir")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_since_best = checkpoint.get("evals_since_best", 0)
     if iter_num >= max_iters:
