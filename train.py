@@ -323,9 +323,10 @@ if init_from == "resume":
         fail(f"{ckpt_path} is a checkpoint of another model: {', '.join(differ)}")
     # the same model on other data (another dataset of the same vocabulary, the corpus prepared again on a machine
     # with other files) would go on as if it were the same run: the data's meta.json must be the one it began with
+    # (in the fields both have: a field that another version of prepare_data.py adds is not a difference)
     trained_on = checkpoint.get("meta", {})
-    differ = [f"{k} {trained_on.get(k)!r} (here: {meta.get(k)!r})" for k in sorted(set(trained_on) | set(meta))
-              if trained_on.get(k) != meta.get(k)]
+    differ = [f"{k} {trained_on[k]!r} (here: {meta[k]!r})" for k in sorted(set(trained_on) & set(meta))
+              if trained_on[k] != meta[k]]
     if differ:
         fail(f"{ckpt_path} was trained on other data than {data_path}: {', '.join(differ)}; resume it on its own "
              "data (--dataset, --data_dir), or train a new run into another --out_dir")
