@@ -1825,6 +1825,33 @@ def test_sigkill_at_random_moments_loses_nothing(tiny_data, tmp_path):
         assert torch.equal(got["model"][name], tensor), name
 
 
+def test_a_second_run_into_the_same_out_dir_stops(tiny_data, tmp_path):
+    """While a run trains (here before its first checkpoint, when the check for ckpt.pt cannot see it), a second
+    train.py into its out_dir stops before any work, from scratch and with --init_from=resume alike, and the
+    first run's log stays its own; once the first is killed, the folder is free again."""
+    out = tmp_path / "out"
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_iters=1"]
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, "--max_iters=100000",
+                              "--eval_interval=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not ((out / "log.jsonl").exists() and len(train_log(out)) >= 3) and time.time() < deadline:
+            time.sleep(0.05)  # until it is training
+        assert first.poll() is None
+        for init in ("scratch", "resume"):
+            p = run("train.py", *args, "--max_iters=8", f"--init_from={init}")
+            assert_clean_error(p, f"{out} is in use by another train.py that has not ended")
+        assert first.poll() is None and not (out / "ckpt.pt").exists()
+    finally:
+        first.kill()
+        first.wait()
+    iters = [r["iter"] for r in train_log(out) if "loss" in r]
+    assert iters == sorted(set(iters)), iters  # one run's training records
+    p = run("train.py", *args, "--max_iters=4")
+    assert p.returncode == 0, p.stderr
+
+
 def test_nothing_is_unpickled():
     """Checkpoints and metadata are untrusted files: every torch.load in the project passes
     weights_only=True, and no file uses pickle."""

@@ -110,9 +110,39 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 def fail(msg):
     """Bad input or a broken run: one line on stderr and a non-zero exit, never a traceback."""
     print(f"error: {msg}", file=sys.stderr)
+    unlock_out_dir()
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(1)
+
+
+out_dir_lock = []  # the file descriptor that holds out_dir's lock while this run trains (lock_out_dir)
+
+
+def lock_out_dir(path):
+    """Hold an exclusive lock on the folder out_dir while this run trains, so that a second train.py into it (a
+    command typed twice, two experiments.py over one --root) stops at once instead of writing over this run's
+    checkpoint and log. The OS drops the lock when the process ends, by a kill too: nothing is left to clean up.
+    No lock where the OS or the file system has none (Windows, some network file systems)."""
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        out_dir_lock.append(fd)
+    except OSError as err:
+        os.close(fd)
+        if isinstance(err, BlockingIOError):
+            fail(f"{path} is in use by another train.py that has not ended: wait for it, or train into another "
+                 "--out_dir")
+
+
+def unlock_out_dir():
+    """Let go of out_dir's lock at the end of the run (for a script run again in the same process, as the tests do)."""
+    while out_dir_lock:
+        os.close(out_dir_lock.pop())
 
 
 def run_end(path):
@@ -208,6 +238,7 @@ if master_process:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as err:
         fail(f"cannot make out_dir {out_dir}: {err.strerror}")
+    lock_out_dir(out_dir)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -621,5 +652,6 @@ if master_process and sample_tokens > 0 and meta["tokenizer"] != "none":
     with ctx:
         y = raw_model.generate(start, sample_tokens, temperature=0.8, top_k=200)
     print(f"---------------\n{decode(y[0].tolist())}\n---------------")
+unlock_out_dir()
 if ddp:
     dist.destroy_process_group()
