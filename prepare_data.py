@@ -154,24 +154,39 @@ def split_documents(lengths, seed=SPLIT_SEED):
     return split
 
 
+def begin_dataset(out_dir):
+    """Make out_dir and remove its meta.json: the dataset is incomplete until end_dataset writes the new one."""
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, "meta.json")):
+        os.remove(os.path.join(out_dir, "meta.json"))
+
+
+def write_file(path, data):
+    """data (a numpy array, or a dict as JSON) to path through a temporary file renamed over it: a reader never
+    sees a file half written, and a run that holds the old file open (train.py keeps its data files open) goes on
+    reading the old one."""
+    if isinstance(data, dict):
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f, indent=1)
+    else:
+        data.tofile(path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def write_dataset(out_dir, documents, meta):
     """documents: the token ids of each document, in corpus order. Whole documents go to train.bin, val.bin and
     test.bin (split_documents), each split's in corpus order. meta.json is written last, so a dataset whose
     meta.json exists is complete (train.py relies on this)."""
     dtype = np.uint16 if meta["vocab_size"] <= 2 ** 16 else np.uint32
     which = split_documents([len(d) for d in documents])
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, "meta.json")):  # incomplete until the new one is written
-        os.remove(os.path.join(out_dir, "meta.json"))
+    begin_dataset(out_dir)
     meta = dict(meta, dtype=np.dtype(dtype).name)
     for k, split in enumerate(SPLITS):
         docs = [np.asarray(d, dtype=dtype) for d, w in zip(documents, which) if w == k]
         ids = np.concatenate(docs)
-        ids.tofile(os.path.join(out_dir, f"{split}.bin"))
+        write_file(os.path.join(out_dir, f"{split}.bin"), ids)
         meta[f"{split}_tokens"], meta[f"{split}_documents"] = len(ids), len(docs)
-    with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
+    write_file(os.path.join(out_dir, "meta.json"), meta)
     print(f"wrote {out_dir}: " + ", ".join(f"{meta[s + '_tokens']:,} {s} tokens ({meta[s + '_documents']:,} documents)"
                                            for s in SPLITS) + f", {meta['dtype']}, vocab {meta['vocab_size']:,}")
 
@@ -316,18 +331,16 @@ def prepare_synthetic(out_dir, train_length, test_lengths, task="recall", n_trai
     (int16, -1 where no answer is asked), split in train, val, test_<length>; meta.json has example_length, so
     train.py draws whole examples."""
     generate = {"recall": recall_examples, "stack": stack_examples, "palindrome": palindrome_examples}[task]
-    os.makedirs(out_dir, exist_ok=True)
+    begin_dataset(out_dir)
     splits = [("train", n_train, train_length), ("val", n_val, train_length)]
     splits += [(f"test_{length}", n_test, length) for length in test_lengths]
     for i, (split, n, length) in enumerate(splits):
         x, y = generate(n, length, vocab=vocab, rng=np.random.default_rng([seed, i]), **task_args)
-        x.astype(np.uint16).tofile(os.path.join(out_dir, f"{split}.bin"))
-        y.astype(np.int16).tofile(os.path.join(out_dir, f"{split}_labels.bin"))
+        write_file(os.path.join(out_dir, f"{split}.bin"), x.astype(np.uint16))
+        write_file(os.path.join(out_dir, f"{split}_labels.bin"), y.astype(np.int16))
     meta = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length, "task": task,
             **task_args, "n_train": n_train, "test_lengths": list(test_lengths), "seed": seed}
-    with open(os.path.join(out_dir, "meta.json.tmp"), "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out_dir, "meta.json.tmp"), os.path.join(out_dir, "meta.json"))
+    write_file(os.path.join(out_dir, "meta.json"), meta)
     print(f"wrote {out_dir}: {task}, {n_train:,} train and {n_val:,} val examples of {train_length} tokens, "
           f"{n_test:,} test examples at each of {', '.join(map(str, test_lengths))} tokens"
           + "".join(f"; {k} {v}" for k, v in task_args.items()))

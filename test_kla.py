@@ -1852,6 +1852,33 @@ def test_a_second_run_into_the_same_out_dir_stops(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+def test_data_prepared_again_does_not_change_a_running_run(tiny_data, tmp_path):
+    """prepare_data.py run again on the data a run is training on (here with a 21st play) replaces the files; the
+    run goes on with the data it began with and ends with exactly the weights of a run left alone."""
+    args = [*TINY, "--max_iters=300", "--eval_interval=300", "--eval_iters=1", "--always_save_checkpoint=True"]
+    p = run("train.py", *args, f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'ref'}")
+    assert p.returncode == 0, p.stderr
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(tiny_data, data)
+    src = tmp_path / "plays" / "tragedies"
+    src.mkdir(parents=True)
+    for i in range(21):
+        (src / f"play{i}.md").write_text(PLAY * 6)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, f"--data_dir={data}",
+                             f"--out_dir={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    deadline = time.time() + 120
+    while not ((out / "log.jsonl").exists() and len(train_log(out)) >= 3) and time.time() < deadline:
+        time.sleep(0.05)  # until it is training
+    prepare_data.prepare("shakespeare_char", str(data), source_dir=str(tmp_path / "plays"))
+    assert proc.poll() is None  # it was still training when its data was replaced
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    want = torch.load(tmp_path / "ref" / "ckpt.pt", weights_only=True)["model"]
+    got = torch.load(out / "ckpt.pt", weights_only=True)["model"]
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_nothing_is_unpickled():
     """Checkpoints and metadata are untrusted files: every torch.load in the project passes
     weights_only=True, and no file uses pickle."""

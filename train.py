@@ -301,6 +301,12 @@ for split in ("train", "val"):
         window_order = np.random.default_rng([seed, 2]).permutation(n_windows)
 
 
+# the data files stay open for the whole run: prepare_data.py replaces a dataset's files when it prepares it again,
+# and the run goes on reading the files it began with
+data_names = ["train.bin", "val.bin"] + (["train_labels.bin", "val_labels.bin"] if example_length else [])
+data_files = {name: open(os.path.join(data_path, name), "rb") for name in data_names}
+
+
 def get_batch(split, key):
     """A batch of random windows (whole examples for the synthetic tasks), drawn by a generator seeded by
     (seed, split, key): training passes key = (0, iter_num, global micro-batch index) and evaluation (1, k),
@@ -309,11 +315,11 @@ def get_batch(split, key):
     packed row (1, batch_size * block_size) and its documents' boundaries."""
     # a fresh memmap per batch: a long-lived one keeps every page it touched resident (nanoGPT #19)
     path = os.path.join(data_path, f"{split}.bin")
-    data = np.memmap(path, dtype=data_dtype, mode="r")
+    data = np.memmap(data_files[f"{split}.bin"], dtype=data_dtype, mode="r")
     rng = np.random.default_rng([seed, split == "val", *key])
     if example_length:  # whole examples; the labels say what to predict where (-1: nothing)
         ix = rng.integers(len(data) // example_length, size=batch_size)
-        labels = np.memmap(os.path.join(data_path, f"{split}_labels.bin"), dtype=np.int16, mode="r")
+        labels = np.memmap(data_files[f"{split}_labels.bin"], dtype=np.int16, mode="r")
         x = np.stack([data[i * example_length:(i + 1) * example_length] for i in ix]).astype(np.int64)
         y = np.stack([labels[i * example_length:(i + 1) * example_length] for i in ix]).astype(np.int64)
     else:  # windows of the token stream; the labels are the next tokens
