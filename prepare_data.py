@@ -155,7 +155,7 @@ def split_documents(lengths, seed=SPLIT_SEED):
 
 
 def begin_dataset(out_dir):
-    """Make out_dir and remove its meta.json: the dataset is incomplete until end_dataset writes the new one."""
+    """Make out_dir and remove its meta.json: the dataset is incomplete until the new one is written, last."""
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         os.remove(os.path.join(out_dir, "meta.json"))
