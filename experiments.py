@@ -157,13 +157,19 @@ def run_all():
             running = {}
             waiting = []
         for out_dir, p in list(running.items()):
-            if p.poll() is not None:
-                print(f"[{time.time() - t0:6.0f}s] finished {out_dir} (exit {p.returncode})", flush=True)
-                if p.returncode:  # why, in this log too: its last line (e.g. an out-of-memory error)
-                    with open(os.path.join(out_dir, "stdout.txt"), errors="replace") as f:
-                        print("    " + (f.read().strip().splitlines() or [""])[-1][:300], flush=True)
-                done.append(out_dir)
-                del running[out_dir]
+            if p.poll() is None:
+                continue
+            del running[out_dir]
+            if p.returncode == getattr(os, "EX_TEMPFAIL", None):
+                # train.py found the run in use by another train.py (another experiments.py over this --root):
+                # that one trains and evaluates it; here it is neither evaluated nor counted as done
+                print(f"[{time.time() - t0:6.0f}s] left alone {out_dir}: in use by another train.py", flush=True)
+                continue
+            print(f"[{time.time() - t0:6.0f}s] finished {out_dir} (exit {p.returncode})", flush=True)
+            if p.returncode:  # why, in this log too: its last line (e.g. an out-of-memory error)
+                with open(os.path.join(out_dir, "stdout.txt"), errors="replace") as f:
+                    print("    " + (f.read().strip().splitlines() or [""])[-1][:300], flush=True)
+            done.append(out_dir)
         time.sleep(1)
     evals = {}
     for d in done:

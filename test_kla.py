@@ -1416,6 +1416,33 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
     assert f"finished {root / 'mqar_small-kla-2'} (exit 2)\n    config error: max_iters = 0: must be >= 1" in p.stdout, p.stdout
 
 
+def test_experiments_leaves_a_run_in_use_alone(tmp_path):
+    """experiments.py over a run that another train.py is training (the same command in two terminals) neither
+    trains nor evaluates it: its train.py stops at the lock, and no eval.json marks the unfinished run as done."""
+    data, root, res = tmp_path / "data", tmp_path / "exp", tmp_path / "res"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    small = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=3",
+             "--eval_iters=2", "--device=cpu", "--dtype=float32", "--compile=False", "--always_save_checkpoint=True"]
+    run_dir = root / "mqar_small-kla-1"
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "config/mqar_small.py", "--mixer=kla",
+                              "--seed=1", f"--out_dir={run_dir}", f"--data_dir={data}", "--sample_tokens=0", *small,
+                              "--max_iters=100000", "--patience=0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / "ckpt.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)  # until it has a checkpoint, which the old experiments.py would have evaluated
+        p = run("experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", "--jobs=1", f"--root={root}",
+                f"--results_dir={res}", f"--data_dir={data}", "--train_args=" + " ".join(small + ["--max_iters=9"]),
+                "--eval_args=--max_examples=8 --device=cpu", timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert f"left alone {run_dir}: in use by another train.py" in p.stdout and "evaluated 0 runs" in p.stdout, p.stdout
+        assert first.poll() is None and not (run_dir / "eval.json").exists()
+    finally:
+        first.kill()
+        first.wait()
+
+
 def test_experiments_sigterm_stops_like_the_deadline(tmp_path):
     """A SIGTERM to experiments.py (a scheduler's time limit) stops its training runs at once, as --deadline
     does, evaluates their best checkpoint so far and writes the table: the work done is not lost."""

@@ -107,13 +107,13 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 # -----------------------------------------------------------------------------
 
 
-def fail(msg):
+def fail(msg, status=1):
     """Bad input or a broken run: one line on stderr and a non-zero exit, never a traceback."""
     print(f"error: {msg}", file=sys.stderr)
     unlock_out_dir()
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(1)
+    sys.exit(status)
 
 
 out_dir_lock = []  # the file descriptor that holds out_dir's lock while this run trains (lock_out_dir)
@@ -136,7 +136,7 @@ def lock_out_dir(path):
         os.close(fd)
         if isinstance(err, BlockingIOError):
             fail(f"{path} is in use by another train.py that has not ended: wait for it, or train into another "
-                 "--out_dir")
+                 "--out_dir", os.EX_TEMPFAIL)  # the status tells experiments.py that the run is not its own
 
 
 def unlock_out_dir():
