@@ -1262,13 +1262,36 @@ def assert_each_is_one_line(script, cases, *args):
 def tiny_data(tmp_path_factory):
     """data_dir holding shakespeare_char prepared from 120 copies of PLAY (20 'plays' of 6 in one folder: 18 train,
     1 val, 1 test)."""
-    root = tmp_path_factory.mktemp("tiny")
+    return tiny_corpus(tmp_path_factory.mktemp("tiny"), 20)
+
+
+def tiny_corpus(root, n_plays):
+    """shakespeare_char prepared into root / "data" from n_plays 'plays' of 6 copies of PLAY; the data_dir."""
     src = root / "plays" / "tragedies"
     src.mkdir(parents=True)
-    for i in range(20):
+    for i in range(n_plays):
         (src / f"play{i}.md").write_text(PLAY * 6)
     prepare_data.prepare("shakespeare_char", str(root / "data"), source_dir=str(root / "plays"))
     return str(root / "data")
+
+
+def train_in_background(*args):
+    """train.py with args, started and left running; the process (its stdout dropped, its stderr a pipe: one line
+    for an error)."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+
+
+def wait_until(condition, timeout=120):
+    """Poll condition() until it holds (a run has started training, written its checkpoint), however slow the machine."""
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def training(out):
+    """Whether the run into out has logged a few iterations."""
+    return (out / "log.jsonl").exists() and len(train_log(out)) >= 3
 
 
 @pytest.fixture(scope="module")
@@ -1424,14 +1447,10 @@ def test_experiments_leaves_a_run_in_use_alone(tmp_path):
     small = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=3",
              "--eval_iters=2", "--device=cpu", "--dtype=float32", "--compile=False", "--always_save_checkpoint=True"]
     run_dir = root / "mqar_small-kla-1"
-    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "config/mqar_small.py", "--mixer=kla",
-                              "--seed=1", f"--out_dir={run_dir}", f"--data_dir={data}", "--sample_tokens=0", *small,
-                              "--max_iters=100000", "--patience=0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    first = train_in_background("config/mqar_small.py", "--mixer=kla", "--seed=1", f"--out_dir={run_dir}",
+                                f"--data_dir={data}", "--sample_tokens=0", *small, "--max_iters=100000", "--patience=0")
     try:
-        deadline = time.time() + 120
-        while not (run_dir / "ckpt.pt").exists() and time.time() < deadline:
-            time.sleep(0.05)  # until it has a checkpoint, which the old experiments.py would have evaluated
+        wait_until((run_dir / "ckpt.pt").exists)  # a checkpoint, which the old experiments.py would have evaluated
         p = run("experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", "--jobs=1", f"--root={root}",
                 f"--results_dir={res}", f"--data_dir={data}", "--train_args=" + " ".join(small + ["--max_iters=9"]),
                 "--eval_args=--max_examples=8 --device=cpu", timeout=300)
@@ -1858,13 +1877,9 @@ def test_a_second_run_into_the_same_out_dir_stops(tiny_data, tmp_path):
     first run's log stays its own; once the first is killed, the folder is free again."""
     out = tmp_path / "out"
     args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_iters=1"]
-    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, "--max_iters=100000",
-                              "--eval_interval=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    first = train_in_background(*args, "--max_iters=100000", "--eval_interval=100000")
     try:
-        deadline = time.time() + 120
-        while not ((out / "log.jsonl").exists() and len(train_log(out)) >= 3) and time.time() < deadline:
-            time.sleep(0.05)  # until it is training
+        wait_until(lambda: training(out))
         assert first.poll() is None
         for init in ("scratch", "resume"):
             p = run("train.py", *args, "--max_iters=8", f"--init_from={init}")
@@ -1887,17 +1902,9 @@ def test_data_prepared_again_does_not_change_a_running_run(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr
     data, out = tmp_path / "data", tmp_path / "out"
     shutil.copytree(tiny_data, data)
-    src = tmp_path / "plays" / "tragedies"
-    src.mkdir(parents=True)
-    for i in range(21):
-        (src / f"play{i}.md").write_text(PLAY * 6)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, f"--data_dir={data}",
-                             f"--out_dir={out}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-    deadline = time.time() + 120
-    while not ((out / "log.jsonl").exists() and len(train_log(out)) >= 3) and time.time() < deadline:
-        time.sleep(0.05)  # until it is training
-    prepare_data.prepare("shakespeare_char", str(data), source_dir=str(tmp_path / "plays"))
+    proc = train_in_background(*args, f"--data_dir={data}", f"--out_dir={out}")
+    wait_until(lambda: training(out))
+    tiny_corpus(tmp_path, 21)  # prepared again into the same data_dir, from one play more
     assert proc.poll() is None  # it was still training when its data was replaced
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     want = torch.load(tmp_path / "ref" / "ckpt.pt", weights_only=True)["model"]
@@ -2062,12 +2069,7 @@ def test_resume_on_other_data_is_refused(trained, tmp_path):
     """The same model resumed on other data of the same vocabulary (here the corpus prepared again from 21 plays
     instead of 20, as a corpus prepared on a machine with other files would be) stops before any work, naming
     what differs; the checkpoint and its log stay as they were."""
-    src = tmp_path / "plays" / "tragedies"
-    src.mkdir(parents=True)
-    for i in range(21):
-        (src / f"play{i}.md").write_text(PLAY * 6)
-    other = str(tmp_path / "data")
-    prepare_data.prepare("shakespeare_char", other, source_dir=str(tmp_path / "plays"))
+    other = tiny_corpus(tmp_path, 21)
     out = tmp_path / "out"
     out.mkdir()
     for name in ("ckpt.pt", "log.jsonl"):
