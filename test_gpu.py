@@ -2,17 +2,21 @@
 GPU correctness of kernel.py and kernel_decode.py against the float64 references (model.kla_chunkwise and
 model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
-    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--paths=default,alt] [--large] [--smoke]
+    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--kernels] [--paths=default,alt] [--large] [--smoke]
 --varlen runs only the cases of packed sequences (cu_seqlens; in the default run too): N sequences in a batch
 of 1, each from its own initial state, against the float64 reference run on each sequence alone; and the model
 on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
+--kernels runs the chunk cases alone (not the model's packed documents nor the decoding checks).
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
-the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
+the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape;
+--paths=fused with the backward's one fused kernel wherever it applies (bf16 or float16, V <= 128, any number of
+programs: kernel.FUSED_MIN_PROGRAMS = 0), --paths=five with the five-kernel backward everywhere.
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
 (q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
 Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph;
-the fused decoding kernels (kernel_decode.py) in a one-layer model; the whole model decoding.
+the fused decoding kernels (kernel_decode.py) in a one-layer model; the whole model decoding; 256 greedy tokens of
+sample.py's path against the model's plain PyTorch path (KLA and GDN, batch 1 and 64, float32).
 --smoke runs two tiny cases on the CPU in Triton's interpreter (float32 only), to check the script itself.
 """
 
@@ -211,6 +215,27 @@ def check_model_decode(device, compiled, fused=True, batch=2):
     return {"logits": rel(torch.cat(got, 1), want), "tokens_vs_plain": float((toks != plain).float().mean())}
 
 
+def check_greedy(device, mixer, batch, new_tokens=256):
+    """sample.py's path on CUDA (the Triton kernels, the fused decoding kernels, each step replayed from a CUDA
+    graph) against the model's plain PyTorch path (the chunkwise reference, then the recurrent step), float32,
+    the same weights (2 layers): the share of greedy tokens that differ, and the largest relative error of the
+    last token's logits."""
+    torch.manual_seed(0)
+    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer=mixer)
+    fast = model.GPT(cfg).to(device).eval()
+    fast.set_backend(device)
+    plain = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "chunkwise"})).to(device).eval()
+    plain.load_state_dict(fast.state_dict())
+    plain.set_backend(device)
+    prompt = torch.randint(512, (batch, 100), device=device)
+    with torch.no_grad():
+        got = torch.cat(list(fast.stream(prompt, new_tokens, temperature=0, cuda_graph=device == "cuda")), 1)
+        want = torch.cat(list(plain.stream(prompt, new_tokens, temperature=0)), 1)
+        full = torch.cat([prompt, want[:, :-1]], 1)
+        last = [m(full)[0][:, -1] for m in (fast, plain)]
+    return float((got != want).float().mean()), rel(*last)
+
+
 def check_documents(lines, device, smoke):
     """The model on packed documents (cu_seqlens) on this device: each document's loss as the document alone
     (float32, 1e-5; attention through FlexAttention's document mask on CUDA), the same torch.compile'd in bf16
@@ -307,6 +332,16 @@ def check_decoding(lines, device, gen, smoke):
                      f"{', fused decoding kernel' if fused else ', layer code + step kernel'}, batch {batch}: "
                      f"logits {errs['logits']:.1e}, tokens differing {errs['tokens_vs_plain']:.2f} {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
+    new_tokens = 8 if smoke else 256
+    lines += ["", f"greedy decoding of {new_tokens} tokens, sample.py's path on this device (fused decoding kernels, CUDA "
+              "graph) against the model's plain PyTorch path, float32, the same weights (2 layers, 100-token prompt); "
+              "the last token's logits over prompt + tokens:", ""]
+    for mixer, batch in (("kla", 1), ("kla", 2)) if smoke else (("kla", 1), ("kla", 64), ("gdn", 1), ("gdn", 64)):
+        differ, err = check_greedy(device, mixer, batch, new_tokens)
+        ok = differ == 0 and err < TOL[torch.float32]
+        failures += not ok
+        lines.append(f"{mixer}, batch {batch}: tokens differing {differ:.4f}, logits {err:.1e} {'ok' if ok else 'FAIL'}")
+        print(lines[-1], flush=True)
     return failures
 
 
@@ -379,18 +414,20 @@ def main():
              "|" + "---|" * (11 + len(cols))]
     failures = 0
     paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
-    config = kernel._fwd_fuse_o
+    config, min_programs = kernel._fwd_fuse_o, kernel.FUSED_MIN_PROGRAMS
     for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
         t = time.time()
         if path == "alt":
             kernel._fwd_fuse_o = lambda BH, V, save, N, default=config: not default(BH, V, save, N)
+        if path in ("fused", "five"):  # the backward's one fused kernel wherever it applies, or never
+            kernel.FUSED_MIN_PROGRAMS = 0 if path == "fused" else float("inf")
         try:
             errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
         except Exception as err:  # report and go on with the other cases
             print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
             errs, finite = {}, False
         finally:
-            kernel._fwd_fuse_o = config
+            kernel._fwd_fuse_o, kernel.FUSED_MIN_PROGRAMS = config, min_programs
         opts = dict(opts, path=path) if path != "default" else opts
         tol = TOL[dtype]
         ok = finite and all(e < tol for e in errs.values())
@@ -408,8 +445,10 @@ def main():
         lines += ["", "past 2**31 elements, (1, 2**21, 8, 128) bf16, last head vs the same head alone: "
                   + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
         print(lines[-1], flush=True)
-    failures += check_documents(lines, device, smoke)
-    if not varlen_only:
+    kernels_only = "--kernels" in sys.argv  # the chunk cases alone
+    if not kernels_only:
+        failures += check_documents(lines, device, smoke)
+    if not varlen_only and not kernels_only:
         failures += check_decoding(lines, device, gen, smoke)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
     import triton
