@@ -259,22 +259,16 @@ def section_decode(device, smoke):
 
 def section_tune(device, smoke):
     """The chunk backward's token-parallel kernels, one variant at a time (kernel's config functions replaced):
-    the five-kernel backward against the fused one (_bwd_fused_kernel, at V <= 128) at 4 and 8 warps;
     value columns, warps and pipeline stages of _bwd_cc_kernel, warps of _bwd_wy_kernel, key and value columns,
-    warps and stages of _bwd_dqk_kernel; forward + backward time. --only=fused keeps the variants so named. Shapes (B, T, H, K[, V]); --shapes=0,2 picks
+    warps and stages of _bwd_dqk_kernel; forward + backward time. Shapes (B, T, H, K[, V]); --shapes=0,2 picks
     some by index. The first shape is the model's own heads. A faulting variant ends the process (time_variants)."""
-    shapes = [(1, 100, 2, 32)] if smoke else [MODEL_HEADS, (8, 4096, 16, 128), (16, 2048, 8, 64),
-                                              (4, 8192, 16, 128), (1, 32768, 16, 128), (8, 4096, 16, 64)]
+    shapes = [(1, 100, 2, 32)] if smoke else [MODEL_HEADS, (8, 4096, 16, 128), (16, 2048, 8, 64)]
     if ARGS.get("shapes") and not smoke:
         shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
     variants = []  # (shape, backward, name, patch)
     dqk = lambda c: dict(_bwd_dqk_config=lambda BK, V, fp32=False, c=c: (min(BK, c[0]),) + c[1:])
-    fused = lambda c: dict(_bwd_fused_config=lambda n, BK, V, fp32=False, c=c: c if V <= 128 and not fp32 else None)
     for shape in shapes:
         variants.append((shape, True, "default", {}))
-        variants.append((shape, True, "five kernels", fused(None)))
-        for nw in (4, 8):
-            variants.append((shape, True, f"fused warps={nw}", fused((nw, 1))))
         for c in ((32, 4, 1), (64, 8, 1), (32, 8, 1), (64, 4, 2), (32, 4, 2), (128, 8, 1)):
             variants.append((shape, True, "cc BV={} warps={} stages={}".format(*c),
                              dict(_bwd_chunk_config=lambda BK, V, fp32=False, c=c: c)))
@@ -286,8 +280,6 @@ def section_tune(device, smoke):
             variants.append((shape, True, "dq/dk BKB={} BV={} warps={} stages={}".format(*c), dqk(c)))
         variants.append((shape, True, "the K = 64 configurations: wy warps=8, dq/dk BKB=64 BV=32 warps=8 stages=1",
                          dict(_bwd_wy_config=lambda BK, fp32=False: (8, 3), **dqk((64, 32, 8, 1)))))
-    if ARGS.get("only"):  # --only=fused: the variants whose name holds it, and each shape's default
-        variants = [x for x in variants if ARGS["only"] in x[2] or x[2] in ("default", "five kernels")]
     return "kernel.py chunk-backward variants (ms, do_bench median; peak MiB)", \
         ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
 

@@ -618,131 +618,6 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     _st(dk + qk_off, rx, ck, xe, K, H * K, 1, bdk)
 
 
-@triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_fused_kernel(q, k, v, do, g, eta, bl_ptr, beta_ptr, ar, hs, dht, dq, dk, dv, dg, deta, dh0, scr, scf,
-                      cu, cs, order, T, H, Tp, scale, eps,
-                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, KACZ: tl.constexpr, VARLEN: tl.constexpr,
-                      PREC: tl.constexpr, DT: tl.constexpr):
-    """The whole backward in one program per (sequence, head), all V value columns at once (V <= BV <= 128):
-    walks the chunks in reverse with dS (K x V) in float32 registers, and for each chunk computes from the saved
-    S0 what the five kernels above compute: dv, the value loop's C x C products, the WY backward, dg and deta,
-    dq and dk; none of dS, dVn, U or the C x C products goes to HBM. This program's scratch (scr, in the dot
-    dtype, and scf, float32; both stay in L2) holds what has to be read back transposed (dS1, dA o Gamma, E: see
-    the note on Hopper at the top) and the partial dq and dk while the C x C algebra runs (fewer registers)."""
-    N = Tp // C
-    i_p, i_bh, n0, n1, xb, xe = _seq_program(cu, cs, order, H, N, T, C, VARLEN)
-    i_b, i_h = i_bh // H, i_bh % H
-    dt = DT
-    r = tl.arange(0, C)
-    ck, cv = tl.arange(0, BK), tl.arange(0, BV)
-    qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
-    causal = r[:, None] >= r[None, :]
-    causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
-    s_ds = scr + i_p * (BK * BV + 2 * C * C)  # dS1 (BK x BV), then dA o Gamma and E (C x C each)
-    s_da = s_ds + BK * BV
-    s_e = s_da + C * C
-    s_S = scf + i_p * (BK * BV + 2 * C * BK)  # dS (BK x BV), the partial dq and dk (C x BK each)
-    s_dq = s_S + BK * BV
-    s_dk = s_dq + C * BK
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        dS += _ld(dht + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
-    _st(s_S, ck, cv, BK, BV, BV, 1, dS)
-    for n in range(n1 - 1, n0 - 1, -1):
-        t0 = n * C
-        rt, rx = t0 + r, xb + t0 + r  # rows of the chunk buffers, token rows
-        ar_off = (i_bh * Tp + t0) * C
-        tl.debug_barrier()  # every thread is done with the scratch of the chunk before
-        dS = _ld(s_S, ck, cv, BK, BV, BV, 1)
-        dSb = dS.to(dt)
-        _st(s_ds, ck, cv, BK, BV, BV, 1, dSb)
-        bl = tl.load(bl_ptr + i_bh * Tp + rt)
-        beta = tl.load(beta_ptr + i_bh * Tp + rt)
-        blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
-        eb = tl.exp2(bl)
-        ecb = tl.exp2(blC - bl)
-        bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
-        bv = _ld(v + v_off, rx, cv, xe, V, H * V, 1).to(dt)
-        S0 = _ld(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1).to(dt)
-        S0_t = tl.trans(S0)
-        sS = tl.sum(tl.sum(S0.to(tl.float32) * dS, 1), 0)
-        # U = P Vn with Vn = V - Diag(exp b) K S0; Vn^T from the transposes of loaded tiles
-        gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
-        P = (tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32) * beta[None, :] * gam).to(dt)
-        U = tl.dot(P, (bv.to(tl.float32) - eb[:, None] * tl.dot(bk, S0, input_precision=PREC)).to(dt),
-                   input_precision=PREC)
-        Vn_t = (tl.trans(bv).to(tl.float32)
-                - tl.dot(S0_t, tl.trans(bk), input_precision=PREC) * eb[None, :]).to(dt)
-        kdS = tl.dot(bk, dSb, input_precision=PREC) * ecb[:, None]
-        cS = tl.sum(U * kdS, 1)
-        tl.debug_barrier()  # dS1 is in the scratch
-        bdk = tl.dot((U * ecb[:, None]).to(dt), tl.trans(_ld(s_ds, ck, cv, BK, BV, BV, 1)), input_precision=PREC)
-        # dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1, dv = dVn = P^T dU
-        bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
-        bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
-        gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
-        Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * (scale * gam_t), 0.).to(dt)
-        dU = tl.dot(Aqk_t, bdo, acc=kdS, input_precision=PREC)
-        bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
-        P_t = (bar_t * beta[:, None] * gam_t).to(dt)
-        dVn = tl.dot(P_t, dU.to(dt), input_precision=PREC)
-        _st(dv + v_off, rx, cv, xe, V, H * V, 1, dVn)
-        dP = tl.dot(dU.to(dt), Vn_t, input_precision=PREC)
-        dOVn = tl.dot(bdo, Vn_t, input_precision=PREC)
-        # -Diag(exp b) dVn S0^T goes into dk; its rows against K are the gate term of dVn . (K S0)
-        Y = tl.dot((dVn * -eb[:, None]).to(dt), S0_t, input_precision=PREC)
-        kf = bk.to(tl.float32)
-        db = tl.sum(Y * kf, 1) - cS
-        _st(s_dk, r, ck, C, BK, BK, 1, bdk + Y)
-        X = tl.dot(bdo, S0_t, input_precision=PREC)  # dO S0^T
-        db += scale * eb * tl.sum(X * bq.to(tl.float32), 1)
-        db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * sS, 0.)
-        _st(s_dq, r, ck, C, BK, BK, 1, X * (scale * eb)[:, None])
-        # dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn
-        dS = tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), acc=tl.exp2(blC) * _ld(s_S, ck, cv, BK, BV, BV, 1),
-                    input_precision=PREC)
-        dS = tl.dot(tl.trans(bk), (dVn * -eb[:, None]).to(dt), acc=dS, input_precision=PREC)
-        tl.debug_barrier()  # every thread has read dS1
-        _st(s_S, ck, cv, BK, BV, BV, 1, dS)
-        # the C x C algebra, as _bwd_wy_kernel
-        dA = tl.where(causal, scale * tl.dot(dOVn.to(dt), P_t, input_precision=PREC), 0.) * gam
-        F = dA * tl.dot(bq, tl.trans(bk), input_precision=PREC)
-        db += tl.sum(F, 1) - tl.sum(F, 0)
-        bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
-        dM = tl.where(causal, dP * gam, 0.)
-        F = dM * bar * beta[None, :]
-        db += tl.sum(F, 1) - tl.sum(F, 0)
-        dbeta = tl.sum(dM * bar, 0)
-        dA0 = -tl.dot(bar_t, tl.dot(dM * beta[None, :], bar_t, input_precision=PREC), input_precision=PREC)
-        dA0 = tl.where(r[:, None] > r[None, :], dA0, 0.)
-        dbeta += tl.sum(dA0 * tl.dot(bk, tl.trans(bk), input_precision=PREC), 1)
-        E = dA0 * beta[:, None]
-        m = rx < xe
-        d_eta, d_r2 = _dbeta(tl.sum(kf * kf, 1), tl.load(eta + (i_b * T + rx) * H + i_h, mask=m, other=0.), beta,
-                             eps, KACZ)
-        tl.store(deta + (i_b * T + rx) * H + i_h, dbeta * d_eta, mask=m)
-        bdg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
-        bdg = tl.where(tl.load(g + (i_b * T + rx) * H + i_h, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
-        tl.store(dg + (i_b * T + rx) * H + i_h, bdg, mask=m)
-        # dq = scale Diag(exp b) dO S0^T + dAg K,
-        # dk = Uc dS1^T - Diag(exp b) dVn S0^T + dAg^T Q + (E + E^T) K + Diag(coef) K
-        _st(s_da, r, r, C, C, C, 1, dA)
-        _st(s_e, r, r, C, C, C, 1, E)
-        tl.debug_barrier()  # dA o Gamma, E and the partial dq, dk are in the scratch
-        bdq = tl.dot(dA.to(dt), bk, acc=_ld(s_dq, r, ck, C, BK, BK, 1), input_precision=PREC)
-        _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
-        EE = E + tl.load(s_e + r[None, :] * C + r[:, None]).to(tl.float32)
-        bdk = tl.dot(EE.to(dt), bk, acc=_ld(s_dk, r, ck, C, BK, BK, 1), input_precision=PREC)
-        bdk = tl.dot(tl.load(s_da + r[None, :] * C + r[:, None]), bq, acc=bdk, input_precision=PREC)
-        if KACZ:
-            bdk += (2.0 * dbeta * d_r2)[:, None] * kf
-        _st(dk + qk_off, rx, ck, xe, K, H * K, 1, bdk)
-    if STORE_DH0:
-        tl.debug_barrier()
-        _st(dh0 + i_p * K * V, ck, cv, K, V, V, 1, _ld(s_S, ck, cv, BK, BV, BV, 1))
-
-
 @triton.jit
 def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
                  K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr):
@@ -944,18 +819,6 @@ def _bwd_dqk_config(BK, V, fp32=False):
     return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8, 1
 
 
-def _bwd_fused_config(n_programs, BK, V, fp32=False):
-    """(warps, pipeline stages) of _bwd_fused_kernel, the backward in one program per (sequence, head), or None for
-    the five-kernel backward. It needs all value columns in one program (V <= 128) and enough programs to fill
-    the GPU; the five kernels run where it does not pay (FUSED_MIN_PROGRAMS)."""
-    if fp32 or V > 128 or BK > 128 or n_programs < FUSED_MIN_PROGRAMS:
-        return None
-    return 8, 1
-
-
-FUSED_MIN_PROGRAMS = 96
-
-
 def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
     """The forward kernels on contiguous q, k, v (one dtype) and float32 g, eta, h0: (o, the final states or None,
     and what the backward reads: b, beta, the inverses, the chunk states or None). N chunks, n_state states:
@@ -1003,25 +866,12 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, c
     Tp, varlen = N * C, cu is not None
     dev, prec, dt = q.device, _prec(q), _dot_dtype(q)  # do contiguous (_chunk_grad)
     dv = torch.empty_like(v)
+    dhs = torch.empty_like(hs)
     dh0 = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
     dht = None if dht is None else dht.float().contiguous()
-    fp32 = q.dtype == torch.float32
-    fused = _bwd_fused_config(n_state * H, BK, V, fp32)
-    if fused:
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-        deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-        BV = max(16, triton.next_power_of_2(V))
-        scr = torch.empty(n_state * H, BK * BV + 2 * C * C, device=dev, dtype=hs.dtype)
-        scf = torch.empty(n_state * H, BK * BV + 2 * C * BK, device=dev, dtype=torch.float32)
-        _bwd_fused_kernel[(1, n_state * H)](
-            q, k, v, do, g, eta, bl, beta, ar, hs, dht, dq, dk, dv, dg, deta, dh0, scr, scf, cu, cs, order, T, H, Tp,
-            scale, eps, K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, KACZ=kaczmarz,
-            VARLEN=varlen, PREC=prec, DT=dt, num_warps=fused[0], num_stages=fused[1])
-        return dq, dk, dv, dg, deta, dh0
-    dhs = torch.empty_like(hs)
     wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
     dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
+    fp32 = q.dtype == torch.float32
     BVP, nwp = _pre_config(BK, V, fp32)
     _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                 BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)

@@ -8,9 +8,7 @@ of 1, each from its own initial state, against the float64 reference run on each
 on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
 --kernels runs the chunk cases alone (not the model's packed documents nor the decoding checks).
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
-the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape;
---paths=fused with the backward's one fused kernel wherever it applies (bf16 or float16, V <= 128, any number of
-programs: kernel.FUSED_MIN_PROGRAMS = 0), --paths=five with the five-kernel backward everywhere.
+the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
 (q, k, v, g, eta, initial state), all finite. Tolerances: float32 inputs 2e-3, bfloat16 1e-2.
@@ -414,20 +412,18 @@ def main():
              "|" + "---|" * (11 + len(cols))]
     failures = 0
     paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
-    config, min_programs = kernel._fwd_fuse_o, kernel.FUSED_MIN_PROGRAMS
+    config = kernel._fwd_fuse_o
     for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
         t = time.time()
         if path == "alt":
             kernel._fwd_fuse_o = lambda BH, V, save, N, default=config: not default(BH, V, save, N)
-        if path in ("fused", "five"):  # the backward's one fused kernel wherever it applies, or never
-            kernel.FUSED_MIN_PROGRAMS = 0 if path == "fused" else float("inf")
         try:
             errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
         except Exception as err:  # report and go on with the other cases
             print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
             errs, finite = {}, False
         finally:
-            kernel._fwd_fuse_o, kernel.FUSED_MIN_PROGRAMS = config, min_programs
+            kernel._fwd_fuse_o = config
         opts = dict(opts, path=path) if path != "default" else opts
         tol = TOL[dtype]
         ok = finite and all(e < tol for e in errs.values())
