@@ -996,6 +996,23 @@ def test_kernel_operator_registration():
                                                  *args[1]))
 
 
+def test_kernel_ab_tool_loads_another_version():
+    """tools/ab_kernel.py loads another kernel.py beside this one (its operators as kla_ab::): here kernel.py
+    itself, which must then give the same output and gradients as the imported module."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+    try:
+        import ab_kernel
+    finally:
+        sys.path.pop(0)
+    other = ab_kernel.load_other(kernel.__file__)
+    assert other is not kernel and other._chunk_op is not kernel._chunk_op
+    inputs = [x.float() for x in make_inputs(1, 70, 2, 16, 8, norm_range=(0.3, 3.0))]
+    a = outputs_and_grads(other.kla_chunk, inputs, True)
+    b = outputs_and_grads(kernel.kla_chunk, inputs, True)
+    for name, x, y in zip(NAMES, a, b):
+        assert torch.equal(x, y), name
+
+
 def test_kernel_gradient_through_one_output_alone():
     """A loss on the final state alone, or on o alone with the final state returned: the kernel's gradients equal
     the float64 reference's (the unused output's gradient is left out, not made of zeros)."""

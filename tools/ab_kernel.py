@@ -1,0 +1,73 @@
+"""
+kernel.py against another version of it, in one process: kla_chunk's forward and forward + backward ms (do_bench
+medians, bench.py's inputs) at bench.py's kernel shapes and the model's heads, the two versions alternating for
+several rounds so that both see the same GPU state. For deciding a kernel change; bench.py's kernel section then
+times the chosen code against fla and FlashQLA.
+    git show <rev>:kernel.py > out-ab/kernel_old.py
+    python3 tools/ab_kernel.py --old=out-ab/kernel_old.py [--shapes=1,4] [--rounds=3]
+Prints a table (written to $OUT/ab_kernel.md when OUT is set). The other version's PyTorch operators are registered
+as kla_ab:: instead of kla::, so that both load side by side.
+"""
+import importlib.util
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import triton
+
+import bench
+import kernel
+
+SHAPES = [(16, 2048, 8, 64, 64), (8, 4096, 16, 128, 128), (4, 8192, 16, 128, 128), (1, 32768, 16, 128, 128),
+          bench.MODEL_HEADS]
+
+
+def load_other(path):
+    """The kernel.py at path as a module of its own, its operators renamed."""
+    src = open(path).read().replace('"kla::', '"kla_ab::')
+    spec = importlib.util.spec_from_loader("kernel_ab", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__file__ = os.path.abspath(path)  # Triton reads the kernels' source from their file
+    code = compile(src, mod.__file__, "exec")
+    sys.modules["kernel_ab"] = mod
+    exec(code, mod.__dict__)
+    return mod
+
+
+def main():
+    args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    other = load_other(args["old"])
+    shapes = [SHAPES[int(i)] for i in args["shapes"].split(",")] if "shapes" in args else SHAPES
+    rounds = int(args.get("rounds", 3))
+    lines = [f"tools/ab_kernel.py on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+             f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating",
+             "", "| (B, T, H, K, V) | pass | old ms, each round | new ms, each round | new / old (medians) |",
+             "|---|---|---|---|---|"]
+    for B, T, H, K, V in shapes:
+        for backward in (False, True):
+            xs = bench.inputs(B, T, H, K, "cuda", requires_grad=backward, V=V)
+            times = {"old": [], "new": []}
+            for _ in range(rounds):
+                for name, mod in (("old", other), ("new", kernel)):
+                    def run(q, k, v, g, eta, mod=mod):
+                        return mod.kla_chunk(q, k, v, g, eta, eps=bench.EPS)[0]
+                    times[name].append(bench.timed(run, xs, backward, "cuda")[0])
+            old, new = (statistics.median(times[n]) for n in ("old", "new"))
+            lines.append(f"| ({B}, {T}, {H}, {K}, {V}) | {'fwd+bwd' if backward else 'fwd'} | "
+                         + " / ".join(f"{t:.3f}" for t in times["old"]) + " | "
+                         + " / ".join(f"{t:.3f}" for t in times["new"]) + f" | {new / old:.3f} |")
+            print(lines[-1], flush=True)
+            del xs
+            torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        with open(os.path.join(os.environ["OUT"], "ab_kernel.md"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
