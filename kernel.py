@@ -48,9 +48,9 @@ per (sequence, head, value block) walks that sequence's chunks from its initial 
 sequences run in parallel. Nothing is copied.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
-(fla #640). Here only tiles loaded from memory are transposed; the products that need a transposed
-computed matrix (E^T K of the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers
-_bwd_wy_kernel wrote.
+(fla #640). Here only tiles loaded from memory are transposed into a dot (one dot result, U in _bwd_cc_kernel, is
+transposed into an elementwise product, never a dot); the products that need a transposed computed matrix (E^T K of
+the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers _bwd_wy_kernel wrote.
 """
 
 from typing import Optional, Tuple
@@ -501,8 +501,8 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
         dP_t = tl.dot(Vn, dU_t.to(dt), acc=dP_t, input_precision=PREC)
 
     # stored transposed: dO Vn^T and dU Vn^T in the buffers' row order
-    tl.store(dovn + i_bh * Tp * C + (rt[None, :]) * C + r[:, None], dOVn_t.to(dovn.dtype.element_ty))
-    tl.store(dp + i_bh * Tp * C + (rt[None, :]) * C + r[:, None], dP_t.to(dp.dtype.element_ty))
+    tl.store(dovn + i_bh * Tp * C + rt[None, :] * C + r[:, None], dOVn_t.to(dovn.dtype.element_ty))
+    tl.store(dp + i_bh * Tp * C + rt[None, :] * C + r[:, None], dP_t.to(dp.dtype.element_ty))
     db += scale * eb * qd - cS
     db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0), 0.)
     tl.store(dbl + i_bh * Tp + rt, db)
