@@ -846,16 +846,16 @@ ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and 
 def plot(results, path):
     """bench.png: training tokens/s, prefill latency and decoding tokens/s (batch 1) against the length, one
     line per mixer; panels for the sections present. python bench.py --plot=DIR/bench.json redraws it."""
+    secs = results["sections"]
+    panels = [(name, secs[name]) for name in ("train", "prefill", "generate") if name in secs]
+    if not panels:  # nothing to draw: matplotlib is not even imported
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot")
-        return
-    secs = results["sections"]
-    panels = [(name, secs[name]) for name in ("train", "prefill", "generate") if name in secs]
-    if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, (name, sec) in zip(axes[0], panels):
