@@ -38,8 +38,17 @@ def load_other(path):
 
 def main():
     args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+    if not os.path.isfile(args.get("old", "")):
+        sys.exit(f"error: --old={args.get('old', '')!r}: must name another kernel.py (git show <rev>:kernel.py > FILE)")
+    picks = args.get("shapes", ",".join(map(str, range(len(SHAPES))))).split(",")
+    if not all(i.isdigit() and int(i) < len(SHAPES) for i in picks):
+        sys.exit(f"error: --shapes={args['shapes']}: must be indices 0..{len(SHAPES) - 1}, comma-separated")
+    if not args.get("rounds", "3").isdigit() or int(args.get("rounds", "3")) < 1:
+        sys.exit(f"error: --rounds={args['rounds']}: must be an integer >= 1")
+    if not torch.cuda.is_available():
+        sys.exit("error: tools/ab_kernel.py times CUDA kernels and found no GPU")
     other = load_other(args["old"])
-    shapes = [SHAPES[int(i)] for i in args["shapes"].split(",")] if "shapes" in args else SHAPES
+    shapes = [SHAPES[int(i)] for i in picks]
     rounds = int(args.get("rounds", 3))
     lines = [f"tools/ab_kernel.py on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
              f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating",
