@@ -475,7 +475,6 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
     db = tl.zeros([C], dtype=tl.float32)        # d / d b (natural log domain)
     cS = tl.zeros([C], dtype=tl.float32)        # exp(b_C - b_i) k_i^T dS1 u_i
     sS = tl.zeros([BV], dtype=tl.float32)       # column sums of S0 o dS1
-    qd = tl.zeros([C], dtype=tl.float32)        # rows of dO o (Q S0)  (= rows of (dO S0^T) o Q)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         S0 = _ld(hs + h_off, ck, cv, K, V, V, 1)
@@ -491,7 +490,6 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
         Vn = (bv.to(tl.float32) - eb[:, None] * kS).to(dt)
         U = tl.dot(P, Vn, input_precision=PREC)
         _st(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U * ecb[:, None])
-        qd += tl.sum(bdo.to(tl.float32) * tl.dot(bq, S0, input_precision=PREC), 1)
         # dU^T = scale dO^T (Gamma o QK^T) + (Diag(e^{b_C - b}) K dS1)^T from the transposes of loaded tiles, so that
         # the two C x C products take Vn as it is (no computed matrix is transposed into a dot)
         kdS_t = tl.dot(tl.trans(dS1), tl.trans(bk), input_precision=PREC) * ecb[None, :]
@@ -503,7 +501,7 @@ def _bwd_cc_kernel(q, k, v, do, dv, bl_ptr, beta_ptr, ar, hs, dhs, uc, dovn, dp,
     # stored transposed: dO Vn^T and dU Vn^T in the buffers' row order
     tl.store(dovn + i_bh * Tp * C + rt[None, :] * C + r[:, None], dOVn_t.to(dovn.dtype.element_ty))
     tl.store(dp + i_bh * Tp * C + rt[None, :] * C + r[:, None], dP_t.to(dp.dtype.element_ty))
-    db += scale * eb * qd - cS
+    db -= cS  # the term scale exp(b) rows of dO o (Q S0) comes from _bwd_dqk_kernel (_bwd_dg_kernel)
     db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0), 0.)
     tl.store(dbl + i_bh * Tp + rt, db)
 
@@ -571,7 +569,7 @@ def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
+def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
                     KACZ: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 2 (grid (K / BKB, chunks, B*H)): dq and dk of BKB key columns of one chunk, two
@@ -609,6 +607,8 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
     _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
     bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    # the gate gradient's term of rows of dO o (Q S0) = rows of (dO S0^T) o Q, over these key columns
+    tl.store(qdp + (i_k * tl.num_programs(2) + i_bh) * Tp + rt, tl.sum(X * bq.to(tl.float32), 1))
     dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
     bdk = tl.dot(dAg_t, bq, acc=bdk, input_precision=PREC)
     EE = (tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
@@ -617,6 +617,28 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     if KACZ:
         bdk += tl.load(coef + i_bh * Tp + rt)[:, None] * bk.to(tl.float32)
     _st(dk + qk_off, rx, ck, xe, K, H * K, 1, bdk)
+
+
+@triton.jit(do_not_specialize=["T", "Tp"])
+def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, scale, NKB: tl.constexpr, C: tl.constexpr,
+                   VARLEN: tl.constexpr):
+    """Grid (chunks, B*H): adds to dg the reverse cumulative sum of scale exp(b) qd, qd the rows of dO o (Q S0)
+    summed over _bwd_dqk_kernel's key blocks."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    r = tl.arange(0, C)
+    rt = i_n * C + r
+    x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
+    rx = x0 + r
+    m = rx < xe
+    qd = tl.zeros([C], dtype=tl.float32)
+    for i_k in tl.static_range(NKB):
+        qd += tl.load(qdp + (i_k * tl.num_programs(1) + i_bh) * Tp + rt)
+    db = scale * tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt)) * qd
+    bdg = tl.sum(tl.where(r[:, None] >= r[None, :], db[:, None], 0.), 0)
+    tok = (i_b * T + rx) * H + i_h
+    bdg = tl.where(tl.load(g + tok, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
+    tl.store(dg + tok, tl.load(dg + tok, mask=m, other=0.) + bdg, mask=m)
 
 
 @triton.jit
@@ -900,10 +922,12 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, cu, cs, order, c
         K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
     del dovn, dp, dbl
     BKB, BVB, nw, ns = _bwd_dqk_config(BK, V, fp32)
+    qdp = torch.empty(triton.cdiv(K, BKB), B * H, Tp, device=dev, dtype=torch.float32)
     _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
-        q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, cr, T, H, Tp, scale,
+        q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, cr, T, H, Tp, scale,
         K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
         num_stages=ns)
+    _bwd_dg_kernel[(N, B * H)](qdp, bl, g, dg, cr, T, H, Tp, scale, NKB=triton.cdiv(K, BKB), C=C, VARLEN=varlen)
     return dq, dk, dv, dg, deta, dh0
 
 
