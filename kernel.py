@@ -34,7 +34,9 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
                        accumulators dO Vn^T and dU Vn^T, the gate terms of the loop, Uc = Diag(exp(b_C - b)) U.
     _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
                        beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E = Diag(beta) dA0.
-    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, two C x BKB accumulators.
+    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, two C x BKB accumulators; the
+                       rows of (dO S0^T) o Q over its key columns, a term of the gate gradient.
+    _bwd_dg_kernel     grid (chunks, B*H): sums those over the key blocks and adds their share to dg.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 The step size beta and its derivatives are the helpers _beta and _dbeta, used by every kernel here and in
 kernel_decode.py (the model's block-level decoding fusions): a new step-size rule changes model.kla_beta
@@ -576,7 +578,9 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     C x BKB accumulators, from _bwd_cc_kernel's Uc, dAg, E and beta coefficient:
         dq = scale Diag(exp b) dO S0^T + dAg K
         dk = Uc dS1^T - Diag(exp b) dVn S0^T + dAg^T Q + (E + E^T) K + Diag(coef) K
-    Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed)."""
+    Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed). Also writes the
+    rows of (dO S0^T) o Q over its key columns (qdp), which _bwd_dg_kernel sums into dg: computed from dO S0^T here
+    rather than by a K-deep product Q S0 a value block in _bwd_cc_kernel."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
