@@ -817,10 +817,12 @@ def _bwd_chunk_config(BK, V, fp32=False):
     tune section replaces it by this name). BV = 64 with 4 warps, measured on an H200 (`python bench.py
     --section=tune`, forward + backward, ms): (8, 4096, 16, 128) 4.52 against 5.90 for BV = 16 with 8 warps
     (the fewest spills in ptxas: 16 B against 844 B at BV = 64), (1, 32768, 16, 128) 6.15 against 7.52,
-    (16, 2048, 8, 64) 1.12 against 1.53. Fewer, wider steps of the value loop beat the spills."""
+    (16, 2048, 8, 64) 1.12 against 1.53. Fewer, wider steps of the value loop beat the spills. From K = 96 on, 2
+    stages: 3.330 against 3.359 ms at (8, 4096, 16, 128), 3.029 against 3.106 at the model's heads (32, 2048, 6,
+    96 / 192), in one process (`tools/ab_kernel.py`)."""
     if fp32:
         return 16, 4, 1
-    return min(64, max(16, triton.next_power_of_2(V))), 4, 1
+    return min(64, max(16, triton.next_power_of_2(V))), 4, (2 if BK >= 128 else 1)
 
 
 def _bwd_wy_config(BK, fp32=False):
