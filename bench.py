@@ -30,7 +30,8 @@ Sections (comma-separated; default kernel,decode):
           one pass of these mixers only.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
-  generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention.
+  generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention
+          (--lengths=1024 and --batch=1 pick prompts and batches)
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
 --pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
@@ -778,6 +779,9 @@ def section_generate(device, smoke):
     One more attention row lets SDPA choose among all its backends (cuDNN included), the library default."""
     import model as model_module
     prompts = (64, 256) if smoke else (1024, 8192, 32768)
+    if ARGS.get("lengths"):  # --lengths=1024: these prompts only
+        prompts = tuple(int(n) for n in ARGS["lengths"].split(","))
+    batches = tuple(int(b) for b in ARGS.get("batch", "1,64").split(","))
     n_new = 8 if smoke else 64
     rows = []
     runs = [("kla", True, 0, c) for c in infer_modes() if c != "graphs"] + [("kla", False, 0, False), ("attn", False, 0, False),
@@ -794,7 +798,7 @@ def section_generate(device, smoke):
             + (" (all SDPA backends)" if all_backends else "") \
             + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
             + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "")
-        for batch in ((1,) if all_backends else (1, 64)):
+        for batch in (batches[:1] if all_backends else batches):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
                     torch.cuda.empty_cache()
