@@ -640,7 +640,11 @@ class Block(nn.Module):
 # 0.98 -> 1.16 GiB, 32768 1.03-1.05x at 3.01 -> 3.10 GiB (more than the one pass's 2.00 at 64K).
 PREFILL_SEGMENT = 16384
 
-LOSS_CHUNK = 2**27  # logits a chunk of the loss (FusedCrossEntropy, evaluation): 2,668 rows at vocabulary 50304
+# Logits a chunk of the loss (FusedCrossEntropy, evaluation): 5,336 rows at vocabulary 50304. The fused loss's
+# forward + backward alone at 32 x 2048 tokens, width 768, compiled, on an H200 (python3 tools/loss_bench.py,
+# results/bench_h200/loss.md): 2^27 33.7 ms at 0.48 GiB, 2^28 31.1 ms at 0.98 GiB, 2^29 30.1 ms at 1.98 GiB, against
+# 30.9 ms and 6.05 GiB for the logits and F.cross_entropy (each chunk adds its float32 weight gradient to the sum).
+LOSS_CHUNK = 2**28
 
 
 def chunked_cross_entropy(logits, targets):
@@ -655,6 +659,25 @@ def chunked_cross_entropy(logits, targets):
     return total / (targets != -1).sum()
 
 
+@torch.library.custom_op("kla::add_mm", mutates_args=())
+def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b, acc float32 and a, b bf16 on CUDA: one GEMM that adds its float32 product to acc (an operator,
+    since torch.compile's fake tensors do not take torch.addmm's out_dtype)."""
+    return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+
+
+@_add_mm_fp32.register_fake
+def _(acc, a, b):
+    return torch.empty_like(acc)
+
+
+def _add_mm(acc, a, b):
+    """acc + a @ b for a float32 acc and a, b in it dtype or a lower one: the product in float32, on CUDA in one GEMM."""
+    if a.dtype != acc.dtype and acc.is_cuda:
+        return _add_mm_fp32(acc, a, b)
+    return acc + a.to(acc.dtype) @ b.to(acc.dtype)
+
+
 class FusedCrossEntropy(torch.autograd.Function):
     """The mean cross-entropy of F.linear(x, weight) (x (N, C), the tied lm_head's weight (vocab, C)) against targets
     (N,) (-1 ignored), as GPT.forward computes it, with its gradients computed in the forward a chunk of rows at a
@@ -666,16 +689,22 @@ class FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets):
         n, loss, rows = (targets != -1).sum(), 0.0, max(1, LOSS_CHUNK // weight.shape[0])
+        on = x.device.type
+        dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else weight.dtype  # lm_head's
         dx, dw = torch.empty_like(x), torch.zeros_like(weight)
-        for i in range(0, x.shape[0], rows):
-            xi, t = x[i:i + rows], targets[i:i + rows]
-            logits = F.linear(xi, weight)  # bf16 under autocast, as lm_head's
-            z, at, valid = logits.float(), t.clamp_min(0)[:, None], (t != -1)[:, None]
-            lse = z.logsumexp(-1, keepdim=True)
-            loss = loss + ((lse - z.gather(1, at)) * valid).sum()
-            dz = ((z - lse).exp().scatter_add(1, at, -valid.to(z.dtype)) * (valid / n)).to(logits.dtype)  # (p - 1t)/n
-            dx[i:i + rows] = dz @ weight
-            dw += dz.t() @ xi
+        with torch.autocast(on, enabled=False):  # the casts written out: the weight's made once, not at each matmul
+            w = weight.to(dtype)
+            for i in range(0, x.shape[0], rows):
+                xi, t = x[i:i + rows].to(dtype), targets[i:i + rows]
+                logits = xi @ w.t()
+                z, at, valid = logits.float(), t.clamp_min(0)[:, None], (t != -1)[:, None]
+                lse = z.logsumexp(-1, keepdim=True)
+                loss = loss + ((lse - z.gather(1, at)) * valid).sum()
+                # (p - onehot(t)) / n, the one-hot as a comparison: one elementwise pass (a scatter_add is a pass more)
+                onehot = torch.arange(z.shape[1], device=z.device) == at
+                dz = ((z - lse).exp().sub(onehot.to(z.dtype)) * (valid / n)).to(dtype)
+                dx[i:i + rows] = dz @ w
+                dw = _add_mm(dw, dz.t(), xi)
         ctx.save_for_backward(dx, dw)
         return loss / n
 

@@ -15,6 +15,7 @@ For every case: relative error ||x - ref|| / ||ref|| of the output, the final st
 Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph;
 the fused decoding kernels (kernel_decode.py) in a one-layer model; the whole model decoding; 256 greedy tokens of
 sample.py's path against the model's plain PyTorch path (KLA and GDN, batch 1 and 64, float32).
+The fused loss (GPTConfig.fused_loss) against float64 alone and against the model without it.
 --smoke runs two tiny cases on the CPU in Triton's interpreter (float32 only), to check the script itself.
 """
 
@@ -290,6 +291,73 @@ def check_documents(lines, device, smoke):
     return failures
 
 
+def check_fused_loss(lines, device, smoke):
+    """GPTConfig.fused_loss (model.FusedCrossEntropy) on this device, with model.LOSS_CHUNK set so that the rows fall
+    in several chunks, the last one shorter: the loss alone (loss, dx, dw) against float64, float32 and bf16 autocast
+    (on CUDA its float32 weight-gradient sums run through the kla::add_mm operator), beside the logits'
+    F.cross_entropy's own error; and a small model's loss and every parameter's gradient against the model without
+    fused_loss in float32. Eager and torch.compile'd. Rows appended to lines; returns the failures."""
+    import torch.nn.functional as F
+    lines += ["", "fused_loss (relative errors; the loss alone against float64, the model against the model without it):", ""]
+    failures, chunk, device = 0, model.LOSS_CHUNK, torch.device(device)
+    gen = torch.Generator(device).manual_seed(1)
+    x0 = torch.randn(900, 64, device=device, generator=gen)
+    w0 = torch.randn(1000, 64, device=device, generator=gen) * 0.2
+    t = torch.randint(0, 1000, (900,), device=device, generator=gen)
+    t[::37] = -1
+    x, w = x0.double().requires_grad_(), w0.double().requires_grad_()
+    loss = F.cross_entropy(x @ w.t(), t, ignore_index=-1)
+    loss.backward()
+    ref = [loss.detach(), x.grad, w.grad]
+    paths = {"fused": lambda x, w: model.FusedCrossEntropy.apply(x, w, t),
+             "logits": lambda x, w: F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)}
+    model.LOSS_CHUNK = 1000 * 150  # 150 rows a chunk: 900 rows in 6, the model's 2 x 400 in 5 and a shorter one
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for compiled in ((False,) if smoke else (False, True)):
+                errs = {}
+                for name, fn in paths.items():
+                    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                        loss = (torch.compile(fn) if compiled else fn)(x, w)
+                    loss.backward()
+                    errs[name] = [rel(a, b) for a, b in zip([loss.detach(), x.grad, w.grad], ref)]
+                tol = TOL[dtype] if dtype == torch.bfloat16 else 1e-5
+                ok = max(errs["fused"]) < tol
+                failures += not ok
+                lines.append(f"loss alone, {'bf16' if dtype == torch.bfloat16 else 'float32'}, "
+                             f"{'compiled' if compiled else 'eager'}: loss / dx / dw "
+                             + " / ".join(f"{e:.1e}" for e in errs["fused"])
+                             + " (logits' cross-entropy: " + " / ".join(f"{e:.1e}" for e in errs["logits"])
+                             + f") {'ok' if ok else 'FAIL'}")
+                print(lines[-1], flush=True)
+        for compiled in ((False,) if smoke else (False, True)):
+            losses, grads = [], []
+            for fused in (False, True):
+                torch.manual_seed(0)
+                m = model.GPT(model.GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=1000, block_size=400,
+                                              chunk_size=16, fused_loss=fused)).to(device)
+                m.set_backend(device.type)
+                if compiled:
+                    m.compile()
+                idx, targets = torch.randint(0, 1000, (2, 2, 400), device=device, generator=gen.manual_seed(2))
+                targets[:, ::37] = -1
+                _, loss = m(idx, targets)
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append({n: p.grad for n, p in m.named_parameters()})
+            err_loss = rel(losses[1], losses[0])
+            err_grad = max(rel(grads[1][n], g) for n, g in grads[0].items())
+            ok = err_loss < 1e-5 and err_grad < 1e-5
+            failures += not ok
+            lines.append(f"model, float32, {'compiled' if compiled else 'eager'}: loss {err_loss:.1e}, every "
+                         f"parameter's gradient {err_grad:.1e} {'ok' if ok else 'FAIL'}")
+            print(lines[-1], flush=True)
+    finally:
+        model.LOSS_CHUNK = chunk
+    return failures
+
+
 def check_decoding(lines, device, gen, smoke):
     """The decode step, the fused decoding kernels and the whole model decoding: rows appended to lines; returns
     the number of failures."""
@@ -446,6 +514,7 @@ def main():
     kernels_only = "--kernels" in sys.argv  # the chunk cases alone
     if not kernels_only:
         failures += check_documents(lines, device, smoke)
+        failures += check_fused_loss(lines, device, smoke)
     if not varlen_only and not kernels_only:
         failures += check_decoding(lines, device, gen, smoke)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()
