@@ -514,14 +514,31 @@ class DeltaMixer(nn.Module):
         return self.o_norm(o.to(dtype)) * F.silu(gate.reshape(o.shape))
 
 
-@torch.compiler.disable  # one Triton kernel, which updates the cache's buffers in place
+@torch.library.custom_op("kla::decode_mixer", mutates_args=("conv_q", "conv_k", "conv_v", "state"))
+def _decode_mixer_op(xp: torch.Tensor, conv_q: torch.Tensor, conv_k: torch.Tensor, conv_v: torch.Tensor,
+                     w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     eta_bias: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor, n_head: int, eps: float,
+                     norm_eps: float, kaczmarz: bool) -> torch.Tensor:
+    """kernel_decode.kla_decode_mixer as a PyTorch operator that updates the cache's buffers in place, so that
+    torch.compile keeps a decoding step whole (one graph around the twelve mixers, their norms and residual
+    adds fused with their neighbours) where a graph break at each mixer left them as separate kernels."""
+    return kernel_decode.kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias,
+                                          norm_weight, state, n_head=n_head, eps=eps, norm_eps=norm_eps,
+                                          kaczmarz=kaczmarz)
+
+
+@_decode_mixer_op.register_fake
+def _(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias, norm_weight, state, n_head, eps, norm_eps,
+      kaczmarz):
+    return xp.new_empty(xp.shape[0], state.shape[1] * state.shape[3])
+
+
 def _decode_mixer(m, xp, st):
     """The lines of DeltaMixer m's forward between its two projections for one token (xp (B, in_proj's outputs)),
-    as kernel_decode.kla_decode_mixer: the output (B, H dv) before o_proj."""
-    return kernel_decode.kla_decode_mixer(
-        xp[:, :sum(m.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight, m.k_conv.weight,
-        m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight, st["state"], n_head=m.n_head, eps=m.eps,
-        norm_eps=m.o_norm.eps, kaczmarz=m.rule == "kaczmarz")
+    as one kernel (kernel_decode.kla_decode_mixer): the output (B, H dv) before o_proj."""
+    return _decode_mixer_op(xp[:, :sum(m.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
+                            m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight,
+                            st["state"], m.n_head, m.eps, m.o_norm.eps, m.rule == "kaczmarz")
 
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new

@@ -2,11 +2,12 @@
 GPU correctness of kernel.py and kernel_decode.py against the float64 references (model.kla_chunkwise and
 model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
-    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--kernels] [--paths=default,alt] [--large] [--smoke]
+    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--kernels] [--model] [--paths=default,alt] [--large] [--smoke]
 --varlen runs only the cases of packed sequences (cu_seqlens; in the default run too): N sequences in a batch
 of 1, each from its own initial state, against the float64 reference run on each sequence alone; and the model
 on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
 --kernels runs the chunk cases alone (not the model's packed documents nor the decoding checks).
+--model runs the fused loss's and the decoding checks alone.
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
 the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
@@ -474,6 +475,9 @@ def main():
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
     if pick:  # --cases=0,3: a subset, by position in the list above
         cases = [cases[int(i)] for i in pick.split(",")]
+    model_only = "--model" in sys.argv  # the fused loss and the decoding checks alone
+    if model_only:
+        cases = []
     varlen_only = "--varlen" in sys.argv
     if varlen_only:
         cases = [c for c in cases if "seqs" in c[9]]
@@ -512,8 +516,9 @@ def main():
                   + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
         print(lines[-1], flush=True)
     kernels_only = "--kernels" in sys.argv  # the chunk cases alone
-    if not kernels_only:
+    if not kernels_only and not model_only:
         failures += check_documents(lines, device, smoke)
+    if not kernels_only:
         failures += check_fused_loss(lines, device, smoke)
     if not varlen_only and not kernels_only:
         failures += check_decoding(lines, device, gen, smoke)

@@ -1099,6 +1099,32 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
+def test_fused_decode_step_is_one_graph():
+    """At batch > 1 a decoding step through the fused mixer kernel (the kla::decode_mixer operator, which updates the
+    cache in place) traces as one torch.compile graph holding every layer's mixer (a torch.compiler.disable'd
+    mixer ended the graph at the first one), and gives the uncompiled step's logits and cache."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config("kla", backend="triton"))
+    m.set_backend("cpu")
+    m.eval()
+    caches = [m.new_cache(), m.new_cache(), m.new_cache()]  # the last one for the trace, which runs the step
+    tok = torch.randint(0, 61, (2, 1))
+    with torch.no_grad():
+        for c in caches:
+            m(torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1)), cache=c)
+        assert m._decodes_fused(tok, caches[0])
+        explained = torch._dynamo.explain(m)(tok, cache=caches[2])
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        mixers = [n for n in explained.graphs[0].graph.nodes if "decode_mixer" in str(n.target)]
+        assert len(mixers) == m.config.n_layer  # every layer's mixer inside the one graph
+        torch._dynamo.reset()
+        (logits, _), (ref, _) = torch.compile(m, backend="eager")(tok, cache=caches[1]), m(tok, cache=caches[0])
+    assert rel_err(logits, ref) < 1e-6
+    for a, b in zip(caches[0], caches[1]):
+        for key in ("state", "q_conv", "k_conv", "v_conv"):
+            assert rel_err(a[key], b[key]) < 1e-6, key
+
+
 @pytest.mark.parametrize("N,K", [(40, 24), (7, 5000)])
 @pytest.mark.parametrize("how", ["plain", "norm", "swiglu", "norm+residual", "swiglu+residual"])
 def test_decode_linear_against_float64(N, K, how):
