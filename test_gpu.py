@@ -483,7 +483,7 @@ def main():
         cases = [c for c in cases if "seqs" in c[9]]
     cols = ["o", "ht", "dq", "dk", "dv", "dg", "deta", "dh0"]
     lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | other | " + " | ".join(cols) + " | ok |",
-             "|" + "---|" * (11 + len(cols))]
+             "|" + "---|" * (11 + len(cols))] if cases else []
     failures = 0
     paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
     config = kernel._fwd_fuse_o
