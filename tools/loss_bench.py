@@ -3,8 +3,7 @@ The training loss's cost alone: the tied lm_head and the cross-entropy, forward 
 whole model's training shape (32 x 2048 rows of width 768, vocabulary 50304, bf16 autocast), in one process:
 
     logits      F.linear, then F.cross_entropy on the float32 logits (GPTConfig.fused_loss off)
-    fused       model.FusedCrossEntropy (GPTConfig.fused_loss), a chunk of model.LOSS_CHUNK logits at a time
-    fused@2^N   the same with model.LOSS_CHUNK = 2^N
+    fused@2^N   model.FusedCrossEntropy (GPTConfig.fused_loss) with model.LOSS_CHUNK = 2^N logits a chunk
 
     python3 tools/loss_bench.py                      # on a GPU: ms a call (median), peak GiB, and the gradients'
                                                      # largest difference from the 'logits' row's
@@ -37,6 +36,10 @@ def fused(x, w, t):
 
 
 def main():
+    if not all(c.strip().isdigit() and 10 <= int(c) <= 40 for c in str(chunks).split(",")):
+        sys.exit(f"error: --chunks={chunks}: must be exponents N of 2^N logits a chunk, 10 to 40, comma-separated")
+    if not torch.cuda.is_available():
+        sys.exit("error: tools/loss_bench.py times the loss on a CUDA GPU and found none")
     torch.manual_seed(0)
     x0 = torch.randn(rows, width, device="cuda")
     w0 = torch.randn(vocab, width, device="cuda") * 0.02
