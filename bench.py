@@ -34,9 +34,7 @@ Sections (comma-separated; default kernel,decode):
           (--lengths=1024 and --batch=1 pick prompts and batches)
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
---persistent=0 decodes at batch 1 with one kernel a step instead of one persistent kernel a token
-(kernel_decode.DECODE_PERSISTENT); --pdl=0 launches those kernels without programmatic dependent launch
-(kernel_decode.DECODE_PDL); --per_sm=N runs N persistent programs on each SM (kernel_decode.DECODE_PROGRAMS_PER_SM).
+--pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -799,8 +797,7 @@ def section_generate(device, smoke):
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
             + (" (all SDPA backends)" if all_backends else "") \
             + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
-            + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "") \
-            + (" (a kernel a step)" if mixer != "attn" and not kernel_decode.DECODE_PERSISTENT else "")
+            + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "")
         for batch in (batches[:1] if all_backends else batches):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
@@ -928,10 +925,6 @@ def main():
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if ARGS.get("pdl") == "0":  # batch-1 decoding's kernels launched plainly instead of as dependent launches
         kernel_decode.DECODE_PDL = False
-    if ARGS.get("persistent") == "0":  # batch-1 decoding as one kernel a step, not one persistent kernel a token
-        kernel_decode.DECODE_PERSISTENT = False
-    if "per_sm" in ARGS:
-        kernel_decode.DECODE_PROGRAMS_PER_SM = int(ARGS["per_sm"])
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
         kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused
     device = "cpu" if smoke else "cuda"

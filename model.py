@@ -829,22 +829,24 @@ class GPT(nn.Module):
 
     @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
     def _decode_fused_batch1(self, x, cache):
-        """Every block and the head as kernel_decode.kla_decode_model: one persistent kernel on the GPU, its
-        steps a block RMSNorm + the mixer's input projection + the short convolutions; the state step; the
-        heads' RMSNorm and gate + the output projection + the residual; RMSNorm + the MLP's first projection;
-        SwiGLU + its second projection + the residual. Then norm_f + lm_head."""
-        layers = []
+        """Each block as five kernels: RMSNorm + the mixer's input projection + the short convolutions; the
+        state step, each head's values over several programs; the heads' RMSNorm and gate + the output
+        projection + the residual (kernel_decode.kla_decode_mixer_split); RMSNorm + the MLP's first projection;
+        SwiGLU + the MLP's second projection + the residual (kernel_decode.decode_linear). Then norm_f + lm_head
+        as one more."""
+        x = x.view(1, -1)
         for block, st in zip(self.blocks, cache):
             m = block.mixer
-            layers.append(dict(norm1=block.norm1.weight, in_proj=m.in_proj.weight, conv_q=st["q_conv"],
-                               conv_k=st["k_conv"], conv_v=st["v_conv"], w_q=m.q_conv.weight, w_k=m.k_conv.weight,
-                               w_v=m.v_conv.weight, A_log=m.A_log, dt_bias=m.dt_bias, eta_bias=m.eta_bias,
-                               state=st["state"], o_norm=m.o_norm.weight, o_proj=m.o_proj.weight,
-                               norm2=block.norm2.weight, gate_up=block.mlp.gate_up.weight, down=block.mlp.down.weight))
-        m = self.blocks[0].mixer
-        return kernel_decode.kla_decode_model(
-            x.view(1, -1), layers, self.norm_f.weight, self.lm_head.weight, n_head=m.n_head, eps=m.eps,
-            norm_eps=self.norm_f.eps, o_norm_eps=m.o_norm.eps, kaczmarz=m.rule == "kaczmarz").view(1, 1, -1)
+            x = kernel_decode.kla_decode_mixer_split(
+                x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
+                m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
+                m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
+                kaczmarz=m.rule == "kaczmarz")
+            h = kernel_decode.decode_linear(x, block.mlp.gate_up.weight, norm_weight=block.norm2.weight,
+                                            norm_eps=block.norm2.eps)
+            x = kernel_decode.decode_linear(h, block.mlp.down.weight, swiglu=True, residual=x)
+        return kernel_decode.decode_linear(x, self.lm_head.weight, norm_weight=self.norm_f.weight,
+                                           norm_eps=self.norm_f.eps).view(1, 1, -1)
 
     def new_cache(self):
         return [dict() for _ in self.blocks]
