@@ -94,16 +94,6 @@ def _dbeta(r2, eta, beta, eps, KACZ: tl.constexpr):
 
 
 @triton.jit
-def _dg_from_db(db, causal, g_rows, m):
-    """The gates' gradient from that of their within-chunk cumulative sums b = cumsum(g): dg_j = sum_{i >= j}
-    db_i, as a masked column sum (causal[i, j] = i >= j; tl.cumsum next to tl.sum has crashed Triton 3.6);
-    0 where the gate (at pointers g_rows, rows m) was below GATE_FLOOR (_prep_kernel raised it to the floor,
-    a constant)."""
-    dg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
-    return tl.where(tl.load(g_rows, mask=m, other=0.) < GATE_FLOOR, 0., dg)
-
-
-@triton.jit
 def _delta_step(S, decay, q, k, v, beta, scale):
     """One token of the recurrence on a float32 state tile S (K x BV) with q, k (K,), v (BV,): the new state
     decay S + beta k (v - decay S^T k)^T, and the output S^T (scale q) (BV,)."""
@@ -573,7 +563,9 @@ def _bwd_wy_kernel(q, k, g, eta, bl_ptr, beta_ptr, ar, dovn, dp, dbl, dag, emat,
     bdeta = dbeta * d_eta
     if KACZ:
         tl.store(coef + i_bh * Tp + rt, 2.0 * dbeta * d_r2)
-    bdg = _dg_from_db(db, causal, g + (i_b * T + rx) * H + i_h, m)
+    # b = cumsum(g): dg_j = sum_{i >= j} db_i; 0 below the floor that _prep_kernel raised g to
+    bdg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
+    bdg = tl.where(tl.load(g + (i_b * T + rx) * H + i_h, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
     tl.store(dg + (i_b * T + rx) * H + i_h, bdg, mask=m)
     tl.store(deta + (i_b * T + rx) * H + i_h, bdeta, mask=m)
 
@@ -647,8 +639,9 @@ def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, scale, NKB: tl.constexpr, C
     for i_k in tl.static_range(NKB):
         qd += tl.load(qdp + (i_k * tl.num_programs(1) + i_bh) * Tp + rt)
     db = scale * tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt)) * qd
+    bdg = tl.sum(tl.where(r[:, None] >= r[None, :], db[:, None], 0.), 0)
     tok = (i_b * T + rx) * H + i_h
-    bdg = _dg_from_db(db, r[:, None] >= r[None, :], g + tok, m)
+    bdg = tl.where(tl.load(g + tok, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
     tl.store(dg + tok, tl.load(dg + tok, mask=m, other=0.) + bdg, mask=m)
 
 
