@@ -17,8 +17,9 @@ entering the chunk, Gamma_ij = exp(b_i - b_j) for i >= j, else 0):
     S1  = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
 
 Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)):
-    _prep_kernel       grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32 by 16 x 16
-                       forward substitution and blockwise merges; Ar stored in bf16 (fp32 for fp32 input).
+    _prep_kernel       grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32: A from one C x C
+                       product through a float32 scratch, the four 16 x 16 diagonal blocks by forward substitution
+                       at once, then 16 -> 32 -> 64 block merges; Ar stored in bf16 (fp32 for fp32 input).
     _fwd_pre_kernel    grid (chunks, B*H): the state-free parts W = P Diag(exp b) K, U0 = P V,
                        Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W), O0 = scale (Gamma o QK^T) U0.
                        O0 is written straight into the output.
@@ -117,21 +118,6 @@ def _st(base, rows, cols, n_rows, n_cols, stride_r, stride_c, x):
 
 
 @triton.jit
-def _inv_unit_lower16(At):
-    """(I + A)^-1 for a strictly lower triangular 16 x 16 float32 A, by forward substitution. A is given
-    transposed, so that its row i is read as a column of At, already laid out along the rows of the
-    inverse (no layout conversion in the loop)."""
-    r = tl.arange(0, 16)
-    Ai = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in tl.static_range(1, 16):
-        a = tl.sum(tl.where(r[None, :] == i, At, 0.), 1)  # a_j = A[i, j]
-        # row i of the inverse: e_i - sum_{j < i} a_j Ai[j, :]
-        row = -tl.sum(a[:, None] * Ai, 0)
-        Ai = tl.where(r[:, None] == i, Ai + row[None, :], Ai)
-    return Ai
-
-
-@triton.jit
 def _seq_program(cu, cs, order, H, N, T, C: tl.constexpr, VARLEN: tl.constexpr):
     """The sequential kernels' program along axis 1: (i_p, the index of its state, (sequence or batch) * H + head;
     i_bh, its rows in the per-(batch, head) buffers; its chunks n0 .. n1 - 1; xb and xe: chunk n's tokens are rows
@@ -160,103 +146,77 @@ def _chunk_rows(cr, i_n, T, N, C: tl.constexpr, VARLEN: tl.constexpr):
     return x0, xe
 
 
-@triton.jit
-def _slab(k, eta, beta_out, j, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps,
-          K: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr):
-    """Rows j .. j + 15 of a chunk: 16 rows of k (token rows x0 + j ..., zero from xe on) and their beta, which is
-    also stored (at the chunk's rows t0 + j ...)."""
-    t = x0 + j + tl.arange(0, 16)
-    c = tl.arange(0, BK)
-    m = t < xe
-    bk = tl.load(k + ((i_b * T + t[:, None]) * H + i_h) * K + c[None, :], mask=m[:, None] & (c[None, :] < K), other=0.)
-    e = tl.load(eta + (i_b * T + t) * H + i_h, mask=m, other=0.)
-    kf = bk.to(tl.float32)
-    beta = _beta(tl.sum(kf * kf, 1), e, eps, KACZ)
-    tl.store(beta_out + i_bh * Tp + t0 + j + tl.arange(0, 16), beta)
-    return bk, beta
-
-
-@triton.jit
-def _kkt16(ki, kj, beta_i, PREC: tl.constexpr):
-    """An off-diagonal 16 x 16 block of Diag(beta) K K^T in float32."""
-    return tl.dot(ki, tl.trans(kj), input_precision=PREC) * beta_i[:, None]
-
-
-@triton.jit
-def _kkt16_diag_t(ki, beta_i, PREC: tl.constexpr):
-    """A diagonal 16 x 16 block of StrictTril(Diag(beta) K K^T), transposed (K K^T is symmetric)."""
-    r = tl.arange(0, 16)
-    return tl.where(r[:, None] < r[None, :], tl.dot(ki, tl.trans(ki), input_precision=PREC) * beta_i[None, :], 0.)
-
-
-@triton.jit
-def _store16(ar, base, bi: tl.constexpr, bj: tl.constexpr, X, C: tl.constexpr):
-    r = tl.arange(0, 16)
-    tl.store(ar + base + (bi * 16 + r[:, None]) * C + bj * 16 + r[None, :], X.to(ar.dtype.element_ty))
-
-
 # -----------------------------------------------------------------------------
 # kernels
 
 
+@triton.jit
+def _inv_block_merge(s, o0: tl.constexpr, n: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """The lower-left n x n block of the inverse of the 2n x 2n diagonal block at row o0 of the chunk's scratch s:
+    -I22 A21 I11, from the inverses I11, I22 of its diagonal halves (already in s) and A21 (still in s)."""
+    r = tl.arange(0, n)
+    i11 = tl.load(s + (o0 + r[:, None]) * C + o0 + r[None, :])
+    i22 = tl.load(s + (o0 + n + r[:, None]) * C + o0 + n + r[None, :])
+    a21 = tl.load(s + (o0 + n + r[:, None]) * C + o0 + r[None, :])
+    return -tl.dot(i22, tl.dot(a21, i11, input_precision=PREC), input_precision=PREC)
+
+
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, cr, T, H, Tp, eps,
+def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, sa, cr, T, H, Tp, eps,
                  K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, VARLEN: tl.constexpr,
                  PREC: tl.constexpr):
+    """b (log2 domain), beta, and Ar = (I + A)^-1, A = StrictTril(Diag(beta) K K^T), in float32. A comes from one
+    C x C product and goes to the chunk's float32 scratch sa (ar_out itself for float32 input), from which the
+    four 16 x 16 diagonal blocks are inverted at once by forward substitution (row i of each read back from sa),
+    then merged into the inverses of the 32 x 32 and the 64 x 64 blocks (_inv_block_merge)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
     x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
     r = tl.arange(0, C)
-    gg = tl.load(g + (i_b * T + x0 + r) * H + i_h, mask=x0 + r < xe, other=0.)
+    m = x0 + r < xe
+    tok = (i_b * T + x0 + r) * H + i_h
     # a gate below GATE_FLOOR (g = -inf: a decay of exactly 0) is raised to it, so that b stays finite
-    gg = tl.maximum(gg, GATE_FLOOR)
+    gg = tl.maximum(tl.load(g + tok, mask=m, other=0.), GATE_FLOOR)
     # the cumulative sum as a masked row sum (tl.cumsum next to tl.sum has crashed Triton 3.6)
     bl = tl.sum(tl.where(r[:, None] >= r[None, :], gg[None, :], 0.), 1) * 1.4426950408889634  # log2(e)
     tl.store(bl_out + i_bh * Tp + t0 + r, bl)
-
-    k1, b1 = _slab(k, eta, beta_out, 0, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    k2, b2 = _slab(k, eta, beta_out, 16, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    k3, b3 = _slab(k, eta, beta_out, 32, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    k4, b4 = _slab(k, eta, beta_out, 48, t0, x0, xe, T, H, i_b, i_h, i_bh, Tp, eps, K, BK, KACZ)
-    I1 = _inv_unit_lower16(_kkt16_diag_t(k1, b1, PREC))
-    I2 = _inv_unit_lower16(_kkt16_diag_t(k2, b2, PREC))
-    I3 = _inv_unit_lower16(_kkt16_diag_t(k3, b3, PREC))
-    I4 = _inv_unit_lower16(_kkt16_diag_t(k4, b4, PREC))
-    A21 = _kkt16(k2, k1, b2, PREC)
-    A31 = _kkt16(k3, k1, b3, PREC)
-    A32 = _kkt16(k3, k2, b3, PREC)
-    A41 = _kkt16(k4, k1, b4, PREC)
-    A42 = _kkt16(k4, k2, b4, PREC)
-    A43 = _kkt16(k4, k3, b4, PREC)
-    # block forward substitution: I_ij = -I_ii sum_{j <= m < i} A_im I_mj
-    I21 = -tl.dot(I2, tl.dot(A21, I1, input_precision=PREC), input_precision=PREC)
-    I32 = -tl.dot(I3, tl.dot(A32, I2, input_precision=PREC), input_precision=PREC)
-    I43 = -tl.dot(I4, tl.dot(A43, I3, input_precision=PREC), input_precision=PREC)
-    I31 = -tl.dot(I3, tl.dot(A31, I1, input_precision=PREC) + tl.dot(A32, I21, input_precision=PREC),
-                  input_precision=PREC)
-    I42 = -tl.dot(I4, tl.dot(A42, I2, input_precision=PREC) + tl.dot(A43, I32, input_precision=PREC),
-                  input_precision=PREC)
-    I41 = -tl.dot(I4, tl.dot(A41, I1, input_precision=PREC) + tl.dot(A42, I21, input_precision=PREC)
-                  + tl.dot(A43, I31, input_precision=PREC), input_precision=PREC)
-    base = (i_bh * Tp + t0) * C
-    zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store16(ar_out, base, 0, 0, I1, C)
-    _store16(ar_out, base, 0, 1, zero, C)
-    _store16(ar_out, base, 0, 2, zero, C)
-    _store16(ar_out, base, 0, 3, zero, C)
-    _store16(ar_out, base, 1, 0, I21, C)
-    _store16(ar_out, base, 1, 1, I2, C)
-    _store16(ar_out, base, 1, 2, zero, C)
-    _store16(ar_out, base, 1, 3, zero, C)
-    _store16(ar_out, base, 2, 0, I31, C)
-    _store16(ar_out, base, 2, 1, I32, C)
-    _store16(ar_out, base, 2, 2, I3, C)
-    _store16(ar_out, base, 2, 3, zero, C)
-    _store16(ar_out, base, 3, 0, I41, C)
-    _store16(ar_out, base, 3, 1, I42, C)
-    _store16(ar_out, base, 3, 2, I43, C)
-    _store16(ar_out, base, 3, 3, I4, C)
+    bk = _ld(k + (i_b * T * H + i_h) * K, x0 + r, tl.arange(0, BK), xe, K, H * K, 1)
+    kf = bk.to(tl.float32)
+    beta = _beta(tl.sum(kf * kf, 1), tl.load(eta + tok, mask=m, other=0.), eps, KACZ)
+    tl.store(beta_out + i_bh * Tp + t0 + r, beta)
+    A = tl.dot(bk, tl.trans(bk), input_precision=PREC) * beta[:, None]
+    s = sa + (i_bh * Tp + t0) * C
+    tl.store(s + r[:, None] * C + r[None, :], tl.where(r[:, None] > r[None, :], A, 0.))
+    tl.debug_barrier()  # A is in the scratch
+    # the diagonal blocks b = 0..3 at once: row i of (I + A_bb)^-1 is e_i - sum_{j < i} A_bb[i, j] (row j)
+    rb, r16 = tl.arange(0, 4) * 16, tl.arange(0, 16)
+    Ab = tl.load(s + (rb[:, None, None] + r16[None, :, None]) * C + rb[:, None, None] + r16[None, None, :])
+    # E[b, c, j] = (I + A_bb)^-1 [j, c]: row i of the inverse is column i of E, a reduction along E's last axis
+    E = tl.zeros([4, 16, 16], dtype=tl.float32) + (r16[:, None] == r16[None, :]).to(tl.float32)[None, :, :]
+    for i in tl.static_range(1, 16):
+        a = tl.sum(tl.where(r16[None, :, None] == i, Ab, 0.), 1)  # A_bb[i, :] (zero from column i on)
+        E = tl.where(r16[None, None, :] == i, E - tl.sum(E * a[:, None, :], 2)[:, :, None], E)
+    tl.debug_barrier()  # every row of the diagonal blocks of A is read
+    tl.store(s + (rb[:, None, None] + r16[None, None, :]) * C + rb[:, None, None] + r16[None, :, None], E)
+    tl.debug_barrier()
+    X0 = _inv_block_merge(s, 0, 16, C, PREC)
+    X1 = _inv_block_merge(s, 32, 16, C, PREC)
+    tl.debug_barrier()  # the blocks (1, 0) and (3, 2) of A are read
+    tl.store(s + (16 + r16[:, None]) * C + r16[None, :], X0)
+    tl.store(s + (48 + r16[:, None]) * C + 32 + r16[None, :], X1)
+    tl.debug_barrier()  # the scratch holds the inverses of the two 32 x 32 diagonal blocks
+    X = _inv_block_merge(s, 0, 32, C, PREC)
+    r32 = tl.arange(0, 32)
+    I11 = tl.load(s + r32[:, None] * C + r32[None, :])
+    I22 = tl.load(s + (32 + r32[:, None]) * C + 32 + r32[None, :])
+    tl.debug_barrier()  # everything read before ar_out (which may be sa) is written
+    ar = ar_out + (i_bh * Tp + t0) * C
+    dt = ar_out.dtype.element_ty
+    tl.store(ar + r32[:, None] * C + r32[None, :], I11.to(dt))
+    tl.store(ar + r32[:, None] * C + 32 + r32[None, :], tl.zeros([32, 32], dtype=dt))
+    tl.store(ar + (32 + r32[:, None]) * C + r32[None, :], X.to(dt))
+    tl.store(ar + (32 + r32[:, None]) * C + 32 + r32[None, :], I22.to(dt))
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
@@ -797,9 +757,13 @@ def _fwd_fuse_o(BH, V, save, N):
 
 
 def _prep_warps(BK, fp32=False):
-    """Warps of _prep_kernel: 1 at K = 128 in bf16 ((1, 32768, 16, 128) forward 1.80 -> 1.67 ms against 2
-    warps, 2.02 with 4), else 2 (not measured)."""
-    return 1 if BK == 128 and not fp32 else 2
+    """Warps of _prep_kernel: 1 in bf16, 2 in float32 (not measured). The kernel alone on an H200 (`python
+    tools/prep_bench.py --old=FILE`, microseconds, one process), the kernel before this one (a C x C product split into 16 x 16
+    blocks of K K^T from four slabs of k, 255 registers and 1.5 KB of spills a thread at 1 warp) at 1 warp against
+    this one at 1 / 2 / 4 warps: 194 against 153 / 238 / 339 at (8, 4096, 16, 128), 148 against 114 / 180 / 250 at
+    the model's heads (32, 2048, 6, 96 / 192) (results/bench_h200/prep.md). More warps lose: the forward substitution's
+    reductions then cross warps."""
+    return 2 if fp32 else 1
 
 
 def _dot_dtype(x):
@@ -863,8 +827,10 @@ def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_fi
     beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
     ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
     fp32 = q.dtype == torch.float32
-    _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
+    sa = ar if fp32 else torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)  # A in float32
+    _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, sa, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
                              VARLEN=varlen, PREC=prec, num_warps=_prep_warps(BK, fp32))
+    del sa
     o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
     ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     fuse_o = _fwd_fuse_o(n_state * H, V, save, N)

@@ -812,6 +812,7 @@ KERNEL_CASES = [  # (B, T, H, K, V, initial state, kaczmarz, log10 of the key no
     (1, 130, 2, 48, 40, True, True, (-1, 1)),
     (1, 100, 1, 32, 64, True, False, (0, 0)),
     (1, 200, 1, 16, 16, False, False, (-0.5, 0)),
+    (1, 70, 1, 96, 32, True, True, (-1, 1)),  # d_k 96 (the model's): the key block padded to 128
 ]
 
 
@@ -1011,6 +1012,28 @@ def test_kernel_ab_tool_loads_another_version():
     b = outputs_and_grads(kernel.kla_chunk, inputs, True)
     for name, x, y in zip(NAMES, a, b):
         assert torch.equal(x, y), name
+
+
+def test_prep_kernel_inverse_and_its_bench_tool():
+    """_prep_kernel, launched as tools/prep_bench.py launches it: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1
+    (stored in bf16) against float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+    try:
+        import prep_bench
+    finally:
+        sys.path.pop(0)
+    B, T, H, K = 1, 100, 2, 96
+    q, k, v, g, eta, _ = make_inputs(B, T, H, K, 8, norm_range=(-1, 1))
+    fn, ar = prep_bench.prep_call(kernel, k.float(), g.float(), eta.float(), B, T, H, K, 1)
+    fn()
+    kd, beta = k.double(), eta.double() / (k.double().pow(2).sum(-1) + 1e-6)
+    for h in range(H):
+        for n in range(2):
+            kc, bc = kd[0, n * 64:(n + 1) * 64, h], beta[0, n * 64:(n + 1) * 64, h]
+            A = torch.tril(bc[:, None] * kc @ kc.T, -1)
+            want = torch.linalg.inv(torch.eye(len(kc), dtype=torch.float64) + A)
+            got = ar[h, n * 64:n * 64 + len(kc), :len(kc)].double()
+            assert rel_err(got, want) < 1e-2 and torch.all(ar[h, n * 64:n * 64 + len(kc), len(kc):] == 0)
 
 
 def test_kernel_gradient_through_one_output_alone():

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 
 import kernel
 
-FP32_ARGS = {"qdp", "bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef", "scratch", "dbl",
+FP32_ARGS = {"sa", "qdp", "bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef", "scratch", "dbl",
              "dh0", "dht", "h0", "ht", "s_in", "s_out"}
 INT_ARGS = {"T", "H", "Tp"}
 FLT_ARGS = {"scale", "eps"}
