@@ -146,10 +146,6 @@ def _chunk_rows(cr, i_n, T, N, C: tl.constexpr, VARLEN: tl.constexpr):
     return x0, xe
 
 
-# -----------------------------------------------------------------------------
-# kernels
-
-
 @triton.jit
 def _inv_block_merge(s, o0: tl.constexpr, n: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
     """The lower-left n x n block of the inverse of the 2n x 2n diagonal block at row o0 of the chunk's scratch s:
@@ -161,14 +157,18 @@ def _inv_block_merge(s, o0: tl.constexpr, n: tl.constexpr, C: tl.constexpr, PREC
     return -tl.dot(i22, tl.dot(a21, i11, input_precision=PREC), input_precision=PREC)
 
 
+# -----------------------------------------------------------------------------
+# kernels
+
+
 @triton.jit(do_not_specialize=["T", "Tp"])
 def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, sa, cr, T, H, Tp, eps,
                  K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr, VARLEN: tl.constexpr,
                  PREC: tl.constexpr):
     """b (log2 domain), beta, and Ar = (I + A)^-1, A = StrictTril(Diag(beta) K K^T), in float32. A comes from one
     C x C product and goes to the chunk's float32 scratch sa (ar_out itself for float32 input), from which the
-    four 16 x 16 diagonal blocks are inverted at once by forward substitution (row i of each read back from sa),
-    then merged into the inverses of the 32 x 32 and the 64 x 64 blocks (_inv_block_merge)."""
+    four 16 x 16 diagonal blocks are loaded once and inverted together by forward substitution (their inverse held
+    transposed: no layout conversion in the loop), then merged into the inverses of the 32 x 32 and the 64 x 64 blocks (_inv_block_merge)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
