@@ -168,7 +168,8 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, sa, cr, T, H, Tp, eps,
     """b (log2 domain), beta, and Ar = (I + A)^-1, A = StrictTril(Diag(beta) K K^T), in float32. A comes from one
     C x C product and goes to the chunk's float32 scratch sa (ar_out itself for float32 input), from which the
     four 16 x 16 diagonal blocks are loaded once and inverted together by forward substitution (their inverse held
-    transposed: no layout conversion in the loop), then merged into the inverses of the 32 x 32 and the 64 x 64 blocks (_inv_block_merge)."""
+    transposed: no layout conversion in the loop), then merged into the inverses of the 32 x 32 and the 64 x 64
+    blocks (_inv_block_merge)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -757,12 +758,13 @@ def _fwd_fuse_o(BH, V, save, N):
 
 
 def _prep_warps(BK, fp32=False):
-    """Warps of _prep_kernel: 1 in bf16, 2 in float32 (not measured). The kernel alone on an H200 (`python
-    tools/prep_bench.py --old=FILE`, microseconds, one process), the kernel before this one (a C x C product split into 16 x 16
-    blocks of K K^T from four slabs of k, 255 registers and 1.5 KB of spills a thread at 1 warp) at 1 warp against
-    this one at 1 / 2 / 4 warps: 194 against 153 / 238 / 339 at (8, 4096, 16, 128), 148 against 114 / 180 / 250 at
-    the model's heads (32, 2048, 6, 96 / 192) (results/bench_h200/prep.md). More warps lose: the forward substitution's
-    reductions then cross warps."""
+    """Warps of _prep_kernel: 1 in bf16, 2 in float32 (not measured). The kernel launched alone on an H200
+    (results/bench_h200/prep.md, one process; `python tools/prep_bench.py --old=FILE` times it against another
+    kernel.py), microseconds, the kernel before this one (16 x 16 blocks of K K^T from four slabs of k: 255 registers
+    and 1.5 KB of spills a thread) at 1 warp against this one at 1 / 2 / 4 warps: 194 against 153 / 238 / 339 at
+    (8, 4096, 16, 128), 148 against 114 / 180 / 250 at the model's heads (32, 2048, 6, 96 / 192). More warps lose:
+    the forward substitution's reductions then cross warps. BK is unused (bench.py's tune_seq section overrides
+    this function with it)."""
     return 2 if fp32 else 1
 
 
