@@ -20,14 +20,13 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _prep_kernel       grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32: A from one C x C
                        product through a float32 scratch, the four 16 x 16 diagonal blocks by forward substitution
                        at once, then 16 -> 32 -> 64 block merges; Ar stored in bf16 (fp32 for fp32 input).
-    _fwd_pre_kernel    grid (chunks, B*H): the state-free parts W = P Diag(exp b) K, U0 = P V,
-                       Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W), O0 = scale (Gamma o QK^T) U0.
-                       O0 is written straight into the output.
+    _fwd_pre_kernel    grid (chunks, B*H): the state-free parts W = P Diag(exp b) K, U0 = P V and
+                       Aqk = Gamma o QK^T (C x C).
     _fwd_kernel        grid (V / BV, B*H): walks the chunks in order with S in float32 registers:
-                       U = U0 - W S, O = O0 + Qe S, S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U; saves S0
-                       of every chunk for the backward when a gradient is needed.
-    _fwd_o_kernel      grid (chunks, B*H): O = O0 + Qe S0 from the saved states, when _fwd_kernel leaves it
-                       out (few programs, and a gradient needed or a long sequence: _fwd_fuse_o).
+                       U = U0 - W S, O = scale (Diag(exp b) Q S + Aqk U), S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U;
+                       saves S0 of every chunk for the backward when a gradient is needed.
+    _fwd_o_kernel      grid (chunks, B*H): O from the saved states (U again from U0 - W S0), when _fwd_kernel leaves
+                       it out (few programs, and a gradient needed or a long sequence: _fwd_fuse_o).
     _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
@@ -221,13 +220,13 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, sa, cr, T, H, Tp, eps,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, cr, T, H, Tp, scale,
+def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, u0, aqk, cr, T, H, Tp,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Token-parallel: everything of a chunk that does not depend on the state entering it.
-        W = P Diag(exp b) K,  Qe = scale (Diag(exp b) Q - (Gamma o QK^T) W),  U0 = P V,  O0 = scale (Gamma o QK^T) U0
-    so that the sequential kernel only computes U = U0 - W S, O = O0 + Qe S and the state update.
-    O0 goes straight into the output o, to which O = O0 + Qe S is then added in place."""
+    """Token-parallel: everything of a chunk that does not depend on the state entering it,
+        W = P Diag(exp b) K,  U0 = P V,  Aqk = Gamma o QK^T (C x C, causal),
+    so that the sequential kernel only computes U = U0 - W S, the state update and O = scale (Diag(exp b) Q S +
+    Aqk U) from the U it already has."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -246,27 +245,31 @@ def _fwd_pre_kernel(q, k, v, bl_ptr, beta_ptr, ar, w, qe, u0, o, cr, T, H, Tp, s
     eb = tl.exp2(bl)
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))  # masked before exp2
     P = (bar * beta[None, :] * gam).to(dt)
-    Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.).to(dt)
+    Aqk = tl.where(causal, tl.dot(bq, tl.trans(bk), input_precision=PREC) * gam, 0.)
+    tl.store(aqk + (i_bh * Tp + rt[:, None]) * C + r[None, :], Aqk.to(aqk.dtype.element_ty))
     W = tl.dot(P, (bk * eb[:, None]).to(dt), input_precision=PREC)
-    Qe = eb[:, None] * bq.to(tl.float32) - tl.dot(Aqk, W.to(dt), input_precision=PREC)
     _st(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1, W)
-    _st(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Qe * scale)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         bv = _ld(v + v_off, rx, cv, xe, V, H * V, 1).to(dt)
-        U0 = tl.dot(P, bv, input_precision=PREC)
-        O0 = tl.dot(Aqk, U0.to(dt), input_precision=PREC)
-        _st(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U0)
-        _st(o + v_off, rx, cv, xe, V, H * V, 1, O0 * scale)
+        _st(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1, tl.dot(P, bv, input_precision=PREC))
+
+
+@triton.jit
+def _chunk_out(bq, Sb, baqk, U, eb, scale, PREC: tl.constexpr, DT: tl.constexpr):
+    """A chunk's output O = scale (Diag(exp b) Q S0 + Aqk U) (C x BV) from its state S0 (Sb, in DT) and its new
+    values U."""
+    o = eb[:, None] * tl.dot(bq, Sb, input_precision=PREC) + tl.dot(baqk, U.to(DT), input_precision=PREC)
+    return o * scale
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
+def _fwd_kernel(q, k, bl_ptr, w, u0, aqk, h0, o, ht, hs, cu, cs, order, T, H, Tp, scale,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, FUSE_O: tl.constexpr,
                 VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Sequential over chunks, state S (K x BV) in float32 registers:
-        U = U0 - W S,  O = O0 + Qe S (o holds O0),  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U.
+        U = U0 - W S,  S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U,  O = scale (Diag(exp b) Q S + Aqk U).
     FUSE_O = False leaves O to _fwd_o_kernel (S0 of every chunk must then be saved): fewer bytes per step.
     VARLEN: packed sequences laid out chunk-aligned (batch 1), a program per (sequence, head) walking only that
     sequence's chunks (_seq_program), so the sequences run in parallel."""
@@ -277,7 +280,7 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
     dt = DT
     r = tl.arange(0, C)
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    o_off = (i_b * T * H + i_h) * V
+    qk_off, o_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         S += _ld(h0 + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
@@ -288,40 +291,43 @@ def _fwd_kernel(k, bl_ptr, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
             _st(hs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, S)
         bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bu = _ld(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
-        bk = _ld(k + (i_b * T * H + i_h) * K, rx, ck, xe, K, H * K, 1).to(dt)
+        bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
         bl = tl.load(bl_ptr + i_bh * Tp + rt)
         blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
         Sb = S.to(dt)
         U = bu - tl.dot(bw, Sb, input_precision=PREC)
         if FUSE_O:
-            bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
-            bo = _ld(o + o_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
-            bo += tl.dot(bqe, Sb, input_precision=PREC)
-            _st(o + o_off, rx, cv, xe, V, H * V, 1, bo)
+            bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+            baqk = tl.load(aqk + (i_bh * Tp + rt[:, None]) * C + r[None, :]).to(dt)
+            _st(o + o_off, rx, cv, xe, V, H * V, 1, _chunk_out(bq, Sb, baqk, U, tl.exp2(bl), scale, PREC, dt))
         S = tl.exp2(blC) * S + tl.dot(tl.trans(bk), (U * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     if STORE_HT:
         _st(ht + i_p * K * V, ck, cv, K, V, V, 1, S)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _fwd_o_kernel(qe, hs, o, cr, T, H, Tp,
+def _fwd_o_kernel(q, bl_ptr, w, u0, aqk, hs, o, cr, T, H, Tp, scale,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Token-parallel O = O0 + Qe S0 with the saved S0 of each chunk (o holds O0), for FUSE_O = False."""
+    """Token-parallel O = scale (Diag(exp b) Q S0 + Aqk (U0 - W S0)) with the saved S0 of each chunk, for
+    FUSE_O = False."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
-    rt, ck = i_n * C + tl.arange(0, C), tl.arange(0, BK)
+    r = tl.arange(0, C)
+    rt, ck = i_n * C + r, tl.arange(0, BK)
     x0, xe = _chunk_rows(cr, i_n, T, N, C, VARLEN)
-    rx = x0 + tl.arange(0, C)  # token rows
-    o_off = (i_b * T * H + i_h) * V
-    bqe = _ld(qe + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(DT)
+    rx = x0 + r  # token rows
+    qk_off, o_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(DT)
+    bw = _ld(w + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(DT)
+    baqk = tl.load(aqk + (i_bh * Tp + rt[:, None]) * C + r[None, :]).to(DT)
+    eb = tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt))
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         S0 = _ld(hs + (i_bh * N + i_n) * K * V, ck, cv, K, V, V, 1).to(DT)
-        bo = _ld(o + o_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
-        bo += tl.dot(bqe, S0, input_precision=PREC)
-        _st(o + o_off, rx, cv, xe, V, H * V, 1, bo)
+        U = _ld(u0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32) - tl.dot(bw, S0, input_precision=PREC)
+        _st(o + o_off, rx, cv, xe, V, H * V, 1, _chunk_out(bq, S0, baqk, U, eb, scale, PREC, DT))
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
@@ -739,15 +745,17 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     """(value columns per program, warps, pipeline stages) of the sequential kernels (_fwd_kernel, and
     _bwd_state_kernel when bwd). Measured on an H200 with `python bench.py --section=tune_seq`: at
     (1, 32768, 16, 128) 3 stages instead of 2 take the forward from 1.80 to 1.47 ms (4 stages the same, 8 warps
-    slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. The
-    many-program case keeps BV 32, 2 stages (not re-tuned)."""
+    slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. With many
+    programs the forward, which computes the output from U itself, takes 64 value columns: 0.711 against 0.921
+    ms at 32 at (8, 4096, 16, 128) and 0.697 against 0.908 at the model's heads (`python tools/ab_kernel.py`,
+    one process); the backward keeps 32 (not re-tuned)."""
     few = fp32 or _few_programs(BH, V)
-    bv = min(16 if few else 32, max(16, triton.next_power_of_2(V)))
+    bv = min(16 if few else (32 if bwd else 64), max(16, triton.next_power_of_2(V)))
     return bv, 4, 3 if few and not fp32 else 2
 
 
 def _fwd_fuse_o(BH, V, save, N):
-    """Whether _fwd_kernel adds Qe S0 to the output itself, or leaves it to _fwd_o_kernel, which reads the
+    """Whether _fwd_kernel computes the output itself, or leaves it to _fwd_o_kernel, which reads the
     states S0 of the N chunks (fewer bytes a step in the sequential loop). Split when few programs run and
     the states are saved for the backward anyway ((1, 32768, 16, 128) forward 1.47 -> 1.25 ms, 3 stages) or
     the sequence is long (N >= 256 chunks): the whole model's 128K-token prefill 113.8 -> 101.4 ms, 64K 58.0 ->
@@ -837,20 +845,21 @@ def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_fi
     ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     fuse_o = _fwd_fuse_o(n_state * H, V, save, N)
     hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
-    w, qe = (torch.empty(B * H, Tp, K, device=dev, dtype=sdt) for _ in range(2))
+    w = torch.empty(B * H, Tp, K, device=dev, dtype=sdt)
     u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
+    aqk = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
     BVP, nwp = _pre_config(BK, V, fp32)
-    _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, qe, u0, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+    _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, u0, aqk, cr, T, H, Tp, K=K, V=V, C=C, BK=BK,
                                 BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
     BV, nw, ns = _seq_config(n_state * H, V, fp32)
     _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
-        k, bl, w, qe, u0, h0, o, ht, hs, cu, cs, order, T, H, Tp,
+        q, k, bl, w, u0, aqk, h0, o, ht, hs, cu, cs, order, T, H, Tp, scale,
         K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
         SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt,
         num_warps=nw, num_stages=ns)
     if not fuse_o:
-        _fwd_o_kernel[(N, B * H)](qe, hs, o, cr, T, H, Tp, K=K, V=V, C=C, BK=BK, BV=BVP, VARLEN=varlen,
-                                  PREC=prec, DT=dt, num_warps=nwp)
+        _fwd_o_kernel[(N, B * H)](q, bl, w, u0, aqk, hs, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK, BV=BVP,
+                                  VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
     return o, ht, bl, beta, ar, hs
 
 

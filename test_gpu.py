@@ -470,6 +470,8 @@ def main():
             # the model's own heads (GPT-2 small's KLA: d_k 96, d_v 192)
             (4, 2048, 6, 96, 192, bf16, True, True, wide),
             (1, 1000, 6, 96, 192, f32, True, True, wide),
+            # enough programs for the forward's many-program configuration (64 value columns) at K = V = 128
+            (8, 2000, 16, 128, 128, bf16, True, True, wide),
         ]
         cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
