@@ -746,9 +746,9 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     _bwd_state_kernel when bwd). Measured on an H200 with `python bench.py --section=tune_seq`: at
     (1, 32768, 16, 128) 3 stages instead of 2 take the forward from 1.80 to 1.47 ms (4 stages the same, 8 warps
     slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. With many
-    programs the forward, which computes the output from U itself, takes 64 value columns: 0.711 against 0.921
-    ms at 32 at (8, 4096, 16, 128) and 0.697 against 0.908 at the model's heads (`python tools/ab_kernel.py`,
-    one process); the backward keeps 32 (not re-tuned)."""
+    programs the forward, which computes the output from U itself, takes 64 value columns: 0.711 against 0.924
+    ms at 32 at (8, 4096, 16, 128) and 0.698 against 0.910 at the model's heads (`python tools/ab_kernel.py`,
+    one process, medians of 2 rounds); the backward keeps 32 (not re-tuned)."""
     few = fp32 or _few_programs(BH, V)
     bv = min(16 if few else (32 if bwd else 64), max(16, triton.next_power_of_2(V)))
     return bv, 4, 3 if few and not fp32 else 2
