@@ -821,9 +821,9 @@ def _bwd_dqk_config(BK, V, fp32=False):
 
 def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
     """The forward kernels on contiguous q, k, v (one dtype) and float32 g, eta, h0: (o, the final states or None,
-    and what the backward reads: b, beta, the inverses, the chunk states or None, Aqk or None). N chunks, n_state states:
-    cdiv(T, C) and B, or for packed sequences in a batch of 1 cu_seqlens, cs, order, cr from _varlen_layout and
-    its numbers of chunks and sequences (states (n_state, H, K, V))."""
+    and what the backward reads: b, beta, the inverses, the chunk states or None, Aqk or None). N chunks, n_state
+    states: cdiv(T, C) and B, or for packed sequences in a batch of 1 cu_seqlens, cs, order, cr from _varlen_layout
+    and its numbers of chunks and sequences (states (n_state, H, K, V))."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C, BK = C_CHUNK, _block_k(K)

@@ -997,6 +997,17 @@ def test_kernel_operator_registration():
                                                  *args[1]))
 
 
+def test_kernel_eager_path_matches_the_operator():
+    """kla_chunk outside torch.compile runs the kernels through an autograd.Function, under torch.compile through the
+    kla::chunk operator and its autograd formula: the same output, final state and gradients."""
+    inputs = [x.float() for x in make_inputs(1, 70, 2, 16, 8, norm_range=(0.3, 3.0))]
+    compiled = torch.compile(kernel.kla_chunk, backend="aot_eager", fullgraph=True)
+    a = outputs_and_grads(kernel.kla_chunk, inputs, True)
+    b = outputs_and_grads(compiled, inputs, True)
+    for name, x, y in zip(NAMES, a, b):
+        assert torch.equal(x, y), name
+
+
 def test_kernel_ab_tool_loads_another_version():
     """tools/ab_kernel.py loads another kernel.py beside this one (its operators as kla_ab::): here kernel.py
     itself, which must then give the same output and gradients as the imported module."""
