@@ -36,7 +36,7 @@ Sections (comma-separated; default kernel,decode):
           model.DECODE_ROWS, the largest batch whose blocks run as kernels alone)
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
---pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
+--pdl=0 launches decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -945,7 +945,7 @@ def main():
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
-    if ARGS.get("pdl") == "0":  # batch-1 decoding's kernels launched plainly instead of as dependent launches
+    if ARGS.get("pdl") == "0":  # decoding's kernels launched plainly instead of as dependent launches
         kernel_decode.DECODE_PDL = False
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
         kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused

@@ -5,15 +5,18 @@ Triton kernels for decoding the KLA (or GDN) model one token at a time: the whol
     kla_decode_mixer        one kernel for any batch: the mixer between its input and output projections (the
                             short convolutions, the norms of q (and for GDN k), eta, the decay, beta, the state
                             step, the output's RMSNorm and SiLU gate); grid (B*H).
-    decode_linear           batch 1: one linear layer as a stream of its weights, with an RMSNorm or SwiGLU
-                            before it and a residual add after; grid (N / BN).
-    kla_decode_mixer_split  batch 1: RMSNorm, the mixer and its output projection plus the residual as three
-                            kernels: the input projection and the short convolutions (_decode_in_proj_kernel), the
-                            state step over value blocks (_decode_state_kernel, grid (V / BV, H)), the heads'
-                            RMSNorm and gate, the output projection and the residual (_decode_out_proj_kernel).
+    decode_linear           one linear layer as a stream of its weights, with an RMSNorm or SwiGLU before it and
+                            a residual add after; at batch 1 grid (N / BN), above it a tensor-core product over
+                            the rows (_decode_rows_kernel, grid (N / BN, B / BM)).
+    kla_decode_mixer_split  RMSNorm, the mixer and its output projection plus the residual as three kernels: the
+                            input projection and the short convolutions (_decode_in_proj_kernel at batch 1,
+                            _decode_rows_kernel above), the state step over value blocks (_decode_state_kernel,
+                            grid (V / BV, B*H)), the heads' RMSNorm and gate, the output projection and the
+                            residual (_decode_out_proj_kernel at batch 1, _decode_rows_kernel above).
 
-At batch 1 the kernels are launched as programmatic dependent launches on Hopper and later (_pdl_wait).
-model.GPT decodes with them (GPT._decode_fused); its layers compute the same in PyTorch.
+The kernels of decode_linear and kla_decode_mixer_split are launched as programmatic dependent launches on
+Hopper and later (_pdl_wait). model.GPT decodes with them (GPT._decode_fused); its layers compute the same in
+PyTorch.
 """
 
 import functools
@@ -49,7 +52,7 @@ def _conv_step(x_new, conv, w, b_off, C, ch, mc, W: tl.constexpr, BW: tl.constex
 
 @triton.jit
 def _pdl_wait(PDL: tl.constexpr):
-    """Batch-1 decoding's kernels are launched as programmatic dependent launches (Hopper; DECODE_PDL): a
+    """Decoding's kernels (but kla_decode_mixer's) are launched as programmatic dependent launches (Hopper; DECODE_PDL): a
     kernel may start while the one before it runs, and requests what no kernel writes (its weights) before
     this wait for the previous kernel's completion and memory; everything else it reads or writes comes
     after. Then it lets the next kernel start. As each kernel lets the next one start only after its own
@@ -345,13 +348,13 @@ def _decode_rows_kernel(x, w, y, norm_w, res, ssq, gate, cq, ckk, cvv, wq, wk, w
 # launch
 
 
-# Batch-1 decoding's kernels (decode_linear, kla_decode_mixer_split) as programmatic dependent launches on
+# Decoding's kernels (decode_linear, kla_decode_mixer_split) as programmatic dependent launches on
 # Hopper and later (see _pdl_wait); bench.py --pdl=0 turns it off to time the difference
 DECODE_PDL = True
 
 
 def _pdl(x):
-    """The launch options of a batch-1 decoding kernel: PDL=True with launch_pdl where DECODE_PDL applies."""
+    """The launch options of a decoding kernel: PDL=True with launch_pdl where DECODE_PDL applies."""
     on = (DECODE_PDL and x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
           and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device()))
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
