@@ -277,8 +277,8 @@ def _decode_out_proj_kernel(o, ssq, gate, w, norm_w, res, y, N, K, norm_eps, V: 
 def _decode_rows_kernel(x, w, y, norm_w, res, ssq, gate, cq, ckk, cvv, wq, wk, wv, M, N, K, stride_x, stride_g,
                         norm_eps, NORM: tl.constexpr, SWIGLU: tl.constexpr, HEADS: tl.constexpr, RES: tl.constexpr,
                         CONV: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
-                        W: tl.constexpr, BW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        PREC: tl.constexpr, PDL: tl.constexpr):
+                        W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                        PDL: tl.constexpr):
     """Decoding at batch M > 1, grid (N / BN, M / BM): Y = H W^T for BM rows (one per sequence) and BN outputs
     a program, as a stream of the weights W (N, K) through a tensor-core product with the rows; what the
     batch-1 kernels do around their products, on rows. H is x, or with NORM RMSNorm(x) * norm_w (the weight
@@ -328,18 +328,18 @@ def _decode_rows_kernel(x, w, y, norm_w, res, ssq, gate, cq, ckk, cvv, wq, wk, w
         C = tl.where(iv, HV, HK)  # that buffer's row length
         buf = tl.where(iq, cq, tl.where(ik, ckk, cvv)) + ch  # (BN,) pointers: row 0 of the channel's window
         cw = tl.where(iq, wq, tl.where(ik, wk, wv)) + ch * W
-        rw = tl.arange(0, BW)
-        # (BW, BM, BN): window row, sequence, channel; buffers (M, W - 1, C)
-        ptr = buf[None, None, :] + (rm[None, :, None] * (W - 1) + rw[:, None, None]) * C[None, None, :]
-        inside = (rw[:, None, None] < W - 1) & mm[None, :, None] & conv[None, None, :]
-        win = tl.load(ptr, mask=inside, other=0.)  # the last W - 1 inputs
-        nxt = tl.load(ptr + C[None, None, :], mask=inside & (rw[:, None, None] < W - 2), other=0.)
-        cwt = tl.load(cw[None, :] + rw[:, None], mask=(rw[:, None] < W) & conv[None, :], other=0.).to(tl.float32)
-        win = tl.where(rw[:, None, None] == W - 1, acc[None, :, :], win.to(tl.float32))  # row W - 1: the new input
-        yc = tl.sum(win * cwt[:, None, :], 0)
-        nxt = tl.where(rw[:, None, None] == W - 2, acc[None, :, :].to(nxt.dtype), nxt)  # shifted by one row
-        tl.debug_barrier()  # every thread has read the window before any row is overwritten
-        tl.store(ptr, nxt, mask=inside)
+        row = buf[None, :] + rm[:, None] * (W - 1) * C[None, :]  # (BM, BN): window row 0; buffers (M, W - 1, C)
+        inside = mm[:, None] & conv[None, :]
+        yc = acc * tl.load(cw + W - 1, mask=conv, other=0.).to(tl.float32)[None, :]  # the new input, the last tap
+        for j in tl.static_range(W - 1):  # window row j: its tap, then row j + 1 (or the new input) moved into it
+            cur = tl.load(row + j * C[None, :], mask=inside, other=0.)
+            yc += cur.to(tl.float32) * tl.load(cw + j, mask=conv, other=0.).to(tl.float32)[None, :]
+            if j < W - 2:
+                nxt = tl.load(row + (j + 1) * C[None, :], mask=inside, other=0.)
+            else:
+                nxt = acc.to(cur.dtype)
+            tl.debug_barrier()  # every thread has read row j before it is overwritten (later steps read rows > j)
+            tl.store(row + j * C[None, :], nxt, mask=inside)
         acc = tl.where(conv[None, :], yc * tl.sigmoid(yc), acc)
     tl.store(y + rm[:, None] * N + rn[None, :], acc.to(y.dtype.element_ty), mask=my)
 
@@ -411,7 +411,7 @@ def _rows(x, weight, y, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residu
         cq, ckk, cvv, wq, wk, wv, M, N, K, x.stride(0), gate.stride(0), float(norm_eps),
         NORM=norm_weight is not None and heads is None, SWIGLU=bool(swiglu), HEADS=heads is not None,
         RES=residual is not None, CONV=conv is not None, HK=HK, HV=HV, V=V, NV=ssq.shape[-1] if heads else 1,
-        W=W, BW=max(2, triton.next_power_of_2(W)), BM=BM, BN=BN, BK=BK,
+        W=W, BM=BM, BN=BN, BK=BK,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **_pdl(x))
     return y
 
