@@ -14,8 +14,7 @@ Sections (comma-separated; default kernel,decode):
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
   tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
-  tune_decode  kernel_decode.decode_linear's variants on GPT-2 small's projections, against cuBLAS (--batch=64:
-          the product over the rows).
+  tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
           (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, their GPTConfig
           switches), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
@@ -32,11 +31,10 @@ Sections (comma-separated; default kernel,decode):
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention
-          (--lengths=1024 and --batch=1 pick prompts and batches; --decode_rows=64,1 times KLA once for each
-          model.DECODE_ROWS, the largest batch whose blocks run as kernels alone)
+          (--lengths=1024 and --batch=1 pick prompts and batches)
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
---pdl=0 launches decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
+--pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -319,17 +317,13 @@ def time_variants(variants, device):
 
 
 def section_tune_decode(device, smoke):
-    """kernel_decode.decode_linear (decoding's projections) on GPT-2 small's shapes, one variant at a time against
-    torch's F.linear (cuBLAS) on the same weight; GPU time a call, and the bandwidth the weight's bytes give. At
-    batch 1 (the default) rows a program and warps (kernel_decode._linear_config replaced); with --batch=B > 1
-    outputs a program, K block, warps and stages of the product over the rows (kernel_decode._rows_config
-    replaced). The timed CUDA graph (triton.testing.do_bench_cudagraph) makes one call on each of several copies
-    of the weight, together past the 50 MB L2 cache (as a decoding step's 276 MB of weights are), so that every
-    call reads from HBM."""
+    """kernel_decode.decode_linear (batch-1 decoding's projections) on GPT-2 small's shapes, rows a program and warps
+    one variant at a time (kernel_decode._linear_config replaced), against torch's F.linear (cuBLAS) on the same
+    weight; GPU time a call, and the bandwidth the weight's bytes give. The timed CUDA graph
+    (triton.testing.do_bench_cudagraph) makes one call on each of several copies of the weight, together
+    past the 50 MB L2 cache (as a decoding step's 276 MB of weights are), so that every call reads from HBM."""
     shapes = [(40, 24)] if smoke else [(3472, 768), (768, 1152), (4096, 768), (768, 2048), (50304, 768)]
-    batch = int(ARGS.get("batch", "1"))
-    name = "_linear_config" if batch == 1 else "_rows_config"
-    saved, rows = getattr(kernel_decode, name), []
+    saved, rows = kernel_decode._linear_config, []
 
     def gpu_us(fn, ws):
         if smoke:
@@ -337,40 +331,31 @@ def section_tune_decode(device, smoke):
             return float("nan")
         return triton.testing.do_bench_cudagraph(lambda: [fn(w) for w in ws]) * 1e3 / len(ws)
 
-    if batch == 1:
-        variants = [(bn, nw) for bn in ((16,) if smoke else (1, 2, 4, 8, 16, 32)) for nw in ((4,) if smoke else (1, 2, 4, 8))]
-    else:
-        variants = [(bn, bk, nw, ns) for bn in ((16,) if smoke else (16, 32, 64, 128))
-                    for bk, nw, ns in (((16, 4, 1),) if smoke else ((64, 4, 3), (128, 4, 3), (128, 8, 3)))]
     try:
         for N, K in shapes:
             dtype = torch.float32 if smoke else torch.bfloat16
             copies = 1 if smoke else max(8, -(-256 * 2**20 // (N * K * 2)))
             ws = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(copies)]
-            w, x = ws[0], torch.randn(batch, K, device=device, dtype=dtype)
+            w, x = ws[0], torch.randn(1, K, device=device, dtype=dtype)
             us = gpu_us(lambda w: torch.nn.functional.linear(x, w), ws)
             rows.append([f"({N}, {K})", "F.linear (cuBLAS)", us, N * K * w.element_size() / us / 1e6])
             print(rows[-1], flush=True)
-            BK, BM = min(triton.next_power_of_2(K), 4096), max(16, min(64, triton.next_power_of_2(batch)))
-            for v in variants:
-                if batch == 1:
-                    kernel_decode._linear_config = lambda N, K, v=v: (v[0], BK, v[1])
-                    label = f"decode_linear BN={v[0]} warps={v[1]}"
-                else:
-                    kernel_decode._rows_config = lambda M, N, K, v=v: (BM,) + v
-                    label = f"decode_linear rows BN={v[0]} BK={v[1]} warps={v[2]} stages={v[3]}"
-                try:
-                    us = gpu_us(lambda w: kernel_decode.decode_linear(x, w), ws)
-                except Exception as err:  # e.g. out of resources: that variant is out, the rest go on
-                    rows.append([f"({N}, {K})", label, type(err).__name__, ""])
-                    continue
-                rows.append([f"({N}, {K})", label, us, N * K * w.element_size() / us / 1e6])
-                print(rows[-1], flush=True)
-            setattr(kernel_decode, name, saved)
+            BK = min(triton.next_power_of_2(K), 4096)
+            for bn in ((16,) if smoke else (1, 2, 4, 8, 16, 32)):
+                for nw in ((4,) if smoke else (1, 2, 4, 8)):
+                    kernel_decode._linear_config = lambda N, K, bn=bn, nw=nw: (bn, BK, nw)
+                    try:
+                        us = gpu_us(lambda w: kernel_decode.decode_linear(x, w), ws)
+                    except Exception as err:  # e.g. out of resources: that variant is out, the rest go on
+                        rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", type(err).__name__, ""])
+                        continue
+                    rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", us,
+                                 N * K * w.element_size() / us / 1e6])
+                    print(rows[-1], flush=True)
+            kernel_decode._linear_config = saved
     finally:
-        setattr(kernel_decode, name, saved)
-    return f"decode_linear variants, one token, batch {batch} (us of GPU time a call)", \
-        ["(N, K)", "variant", "us", "TB/s"], rows
+        kernel_decode._linear_config = saved
+    return "decode_linear variants, one token (us of GPU time a call)", ["(N, K)", "variant", "us", "TB/s"], rows
 
 
 def section_tune_seq(device, smoke):
@@ -799,17 +784,12 @@ def section_generate(device, smoke):
     batches = tuple(int(b) for b in ARGS.get("batch", "1,64").split(","))
     n_new = 8 if smoke else 64
     rows = []
-    # --decode_rows=64,1: KLA's fastest rows once for each model.DECODE_ROWS (the largest batch decoded by the
-    # blocks' kernels alone; above it the mixer kernel between cuBLAS's projections)
-    default_rows = model_module.DECODE_ROWS
-    decode_rows = [int(r) for r in ARGS.get("decode_rows", str(default_rows)).split(",")]
-    runs = [("kla", True, 0, c, r) for c in infer_modes() if c != "graphs" for r in decode_rows] \
-        + [("kla", False, 0, False, default_rows), ("attn", False, 0, False, default_rows),
-           ("attn", False, 1, False, default_rows)]
+    runs = [("kla", True, 0, c) for c in infer_modes() if c != "graphs"] + [("kla", False, 0, False), ("attn", False, 0, False),
+                                                          ("attn", False, 1, False)]
     if ARGS.get("mixers"):  # --mixers=kla: only these mixers' rows; gdn: as KLA's first rows
-        runs += [("gdn",) + r[1:] for r in runs[:len(infer_modes()) * len(decode_rows)]]
+        runs += [("gdn",) + r[1:] for r in runs[:len(infer_modes())]]
         runs = [r for r in runs if r[0] in ARGS["mixers"].split(",")]
-    for mixer, graph, all_backends, compiled, model_module.DECODE_ROWS in runs:
+    for mixer, graph, all_backends, compiled in runs:
         model, vocab = eval_model(mixer, device, smoke, compiled)
         saved = model_module.SDPA_BACKENDS
         if all_backends:
@@ -817,8 +797,7 @@ def section_generate(device, smoke):
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
             + (" (all SDPA backends)" if all_backends else "") \
             + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
-            + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "") \
-            + (f" (DECODE_ROWS={model_module.DECODE_ROWS})" if mixer != "attn" and len(decode_rows) > 1 else "")
+            + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "")
         for batch in (batches[:1] if all_backends else batches):
             for P in (prompts[:1] if all_backends else prompts):
                 if device == "cuda":
@@ -848,7 +827,6 @@ def section_generate(device, smoke):
                 print(rows[-1], flush=True)
         model_module.SDPA_BACKENDS = saved
         del model
-    model_module.DECODE_ROWS = default_rows
     return f"decoding {n_new} tokens after the prompt, bf16 weights", \
         ["mixer", "batch", "prompt", "tokens/s", "ms / step", "floor ms", "of floor", "peak GiB"], rows
 
@@ -945,7 +923,7 @@ def main():
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         sys.exit(f"error: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
-    if ARGS.get("pdl") == "0":  # decoding's kernels launched plainly instead of as dependent launches
+    if ARGS.get("pdl") == "0":  # batch-1 decoding's kernels launched plainly instead of as dependent launches
         kernel_decode.DECODE_PDL = False
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
         kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused

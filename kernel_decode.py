@@ -5,18 +5,15 @@ Triton kernels for decoding the KLA (or GDN) model one token at a time: the whol
     kla_decode_mixer        one kernel for any batch: the mixer between its input and output projections (the
                             short convolutions, the norms of q (and for GDN k), eta, the decay, beta, the state
                             step, the output's RMSNorm and SiLU gate); grid (B*H).
-    decode_linear           one linear layer as a stream of its weights, with an RMSNorm or SwiGLU before it and
-                            a residual add after; at batch 1 grid (N / BN), above it a tensor-core product over
-                            the rows (_decode_rows_kernel, grid (N / BN, B / BM)).
-    kla_decode_mixer_split  RMSNorm, the mixer and its output projection plus the residual as three kernels: the
-                            input projection and the short convolutions (_decode_in_proj_kernel at batch 1,
-                            _decode_rows_kernel above), the state step over value blocks (_decode_state_kernel,
-                            grid (V / BV, B*H)), the heads' RMSNorm and gate, the output projection and the
-                            residual (_decode_out_proj_kernel at batch 1, _decode_rows_kernel above).
+    decode_linear           batch 1: one linear layer as a stream of its weights, with an RMSNorm or SwiGLU
+                            before it and a residual add after; grid (N / BN).
+    kla_decode_mixer_split  batch 1: RMSNorm, the mixer and its output projection plus the residual as three
+                            kernels: the input projection and the short convolutions (_decode_in_proj_kernel), the
+                            state step over value blocks (_decode_state_kernel, grid (V / BV, H)), the heads'
+                            RMSNorm and gate, the output projection and the residual (_decode_out_proj_kernel).
 
-The kernels of decode_linear and kla_decode_mixer_split are launched as programmatic dependent launches on
-Hopper and later (_pdl_wait). model.GPT decodes with them (GPT._decode_fused); its layers compute the same in
-PyTorch.
+At batch 1 the kernels are launched as programmatic dependent launches on Hopper and later (_pdl_wait).
+model.GPT decodes with them (GPT._decode_fused); its layers compute the same in PyTorch.
 """
 
 import functools
@@ -52,7 +49,7 @@ def _conv_step(x_new, conv, w, b_off, C, ch, mc, W: tl.constexpr, BW: tl.constex
 
 @triton.jit
 def _pdl_wait(PDL: tl.constexpr):
-    """Decoding's kernels (but kla_decode_mixer's) are launched as programmatic dependent launches (Hopper; DECODE_PDL): a
+    """Batch-1 decoding's kernels are launched as programmatic dependent launches (Hopper; DECODE_PDL): a
     kernel may start while the one before it runs, and requests what no kernel writes (its weights) before
     this wait for the previous kernel's completion and memory; everything else it reads or writes comes
     after. Then it lets the next kernel start. As each kernel lets the next one start only after its own
@@ -210,21 +207,19 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm
 
 
 @triton.jit
-def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, stride_xc, scale, eps, H: tl.constexpr,
+def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, scale, eps, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr,
                          PDL: tl.constexpr):
-    """Decoding, grid (V / BV, B*H): one token's delta-rule step on BV value columns of one (sequence, head)'s
-    state (in place), from its row of xc = [q | k | v | gate | eta | decay], the input projection's output
-    after its convolutions: q (and for GDN k) normalised, eta, the decay, beta; o (B, H V) the unnormalised
-    output, and ssq (B, H, V / BV) the sums of squares of its BV values as o holds them (the output
-    projection's kernel applies the head's RMSNorm and gate from them)."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_h = i_bh % H
-    xc += (i_bh // H) * stride_xc
+    """Batch-1 decoding, grid (V / BV, H): one token's delta-rule step on BV value columns of one head's state
+    (in place), from xc = [q | k | v | gate | eta | decay], the input projection's output after its
+    convolutions: q (and for GDN k) normalised, eta, the decay, beta; o the unnormalised output, and ssq
+    (H, V / BV) the sums of squares of its BV values as o holds them (the output projection's kernel applies
+    the head's RMSNorm and gate from them)."""
+    i_v, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
-    offs = i_bh * K * V + rk[:, None] * V + rv[None, :]
+    offs = i_h * K * V + rk[:, None] * V + rv[None, :]
     ms = mk[:, None] & mv[None, :]
     # first: it does not depend on the rest (with PDL, before the wait: the state's last writer is this
     # kernel at the previous token, complete before the kernel this one waits for started: see _pdl_wait)
@@ -243,9 +238,9 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, stride_xc,
     S, out = _delta_step(S, tl.exp(g), q, k, v, beta, scale)
     tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
     out = out.to(o.dtype.element_ty)
-    tl.store(o + i_bh * V + rv, out, mask=mv)
+    tl.store(o + i_h * V + rv, out, mask=mv)
     out = tl.where(mv, out.to(tl.float32), 0.)
-    tl.store(ssq + i_bh * tl.num_programs(0) + i_v, tl.sum(out * out, 0))
+    tl.store(ssq + i_h * tl.num_programs(0) + i_v, tl.sum(out * out, 0))
 
 
 @triton.jit
@@ -273,88 +268,17 @@ def _decode_out_proj_kernel(o, ssq, gate, w, norm_w, res, y, N, K, norm_eps, V: 
     tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
 
 
-@triton.jit
-def _decode_rows_kernel(x, w, y, norm_w, res, ssq, gate, cq, ckk, cvv, wq, wk, wv, M, N, K, stride_x, stride_g,
-                        norm_eps, NORM: tl.constexpr, SWIGLU: tl.constexpr, HEADS: tl.constexpr, RES: tl.constexpr,
-                        CONV: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
-                        W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                        PDL: tl.constexpr):
-    """Decoding at batch M > 1, grid (N / BN, M / BM): Y = H W^T for BM rows (one per sequence) and BN outputs
-    a program, as a stream of the weights W (N, K) through a tensor-core product with the rows; what the
-    batch-1 kernels do around their products, on rows. H is x, or with NORM RMSNorm(x) * norm_w (the weight
-    applied to x, 1 / rms to the product: both are linear in it), or with SWIGLU SiLU(x[:, :K]) * x[:, K:], or
-    with HEADS each head's RMSNorm of x (B, H V) from the state kernel's partial sums ssq (B, H, NV), times
-    norm_w and SiLU(gate). After the product: + res (RES), or (CONV, the mixer's input projection) the short
-    convolutions + SiLU on the q, k, v channels (the first 2 HK + HV outputs), each sequence's buffers shifted
-    in place, as _decode_in_proj_kernel does for one."""
-    rm = tl.program_id(1) * BM + tl.arange(0, BM)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    mm, mn = rm < M, rn < N
-    _pdl_wait(PDL)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    sumsq = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < K
-        mx = mm[:, None] & mk[None, :]
-        h = tl.load(x + rm[:, None] * stride_x + rk[None, :], mask=mx, other=0.).to(tl.float32)
-        if SWIGLU:
-            h = h * tl.sigmoid(h) * tl.load(x + rm[:, None] * stride_x + K + rk[None, :], mask=mx, other=0.).to(tl.float32)
-        if NORM:
-            sumsq += tl.sum(h * h, 1)
-            h = h * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)[None, :]
-        if HEADS:
-            head = (rm[:, None] * K + rk[None, :]) // V  # the (sequence, head) of each element, K = H V
-            s = tl.zeros([BM, BK], dtype=tl.float32)
-            for j in tl.static_range(NV):
-                s += tl.load(ssq + head * NV + j, mask=mx, other=0.)
-            gt = tl.load(gate + rm[:, None] * stride_g + rk[None, :], mask=mx, other=0.).to(tl.float32)
-            h = h / tl.sqrt(s / V + norm_eps) * tl.load(norm_w + rk % V, mask=mk, other=0.).to(tl.float32)[None, :]
-            h = h * gt * tl.sigmoid(gt)
-        wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
-        acc += tl.dot(h.to(wt.dtype), tl.trans(wt), input_precision=PREC)
-    if NORM:
-        acc *= (1. / tl.sqrt(sumsq / K + norm_eps))[:, None]
-    acc = acc.to(y.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds the product
-    my = mm[:, None] & mn[None, :]
-    if RES:
-        acc += tl.load(res + rm[:, None] * N + rn[None, :], mask=my, other=0.).to(tl.float32)
-    if CONV:
-        iq = rn < HK
-        ik = (rn >= HK) & (rn < 2 * HK)
-        iv = (rn >= 2 * HK) & (rn < 2 * HK + HV)
-        conv = iq | ik | iv
-        ch = tl.where(iq, rn, tl.where(ik, rn - HK, rn - 2 * HK))  # the output's channel in its q, k or v buffer
-        C = tl.where(iv, HV, HK)  # that buffer's row length
-        buf = tl.where(iq, cq, tl.where(ik, ckk, cvv)) + ch  # (BN,) pointers: row 0 of the channel's window
-        cw = tl.where(iq, wq, tl.where(ik, wk, wv)) + ch * W
-        row = buf[None, :] + rm[:, None] * (W - 1) * C[None, :]  # (BM, BN): window row 0; buffers (M, W - 1, C)
-        inside = mm[:, None] & conv[None, :]
-        yc = acc * tl.load(cw + W - 1, mask=conv, other=0.).to(tl.float32)[None, :]  # the new input, the last tap
-        for j in tl.static_range(W - 1):  # window row j: its tap, then row j + 1 (or the new input) moved into it
-            cur = tl.load(row + j * C[None, :], mask=inside, other=0.)
-            yc += cur.to(tl.float32) * tl.load(cw + j, mask=conv, other=0.).to(tl.float32)[None, :]
-            if j < W - 2:
-                nxt = tl.load(row + (j + 1) * C[None, :], mask=inside, other=0.)
-            else:
-                nxt = acc.to(cur.dtype)
-            tl.debug_barrier()  # every thread has read row j before it is overwritten (later steps read rows > j)
-            tl.store(row + j * C[None, :], nxt, mask=inside)
-        acc = tl.where(conv[None, :], yc * tl.sigmoid(yc), acc)
-    tl.store(y + rm[:, None] * N + rn[None, :], acc.to(y.dtype.element_ty), mask=my)
-
-
 # -----------------------------------------------------------------------------
 # launch
 
 
-# Decoding's kernels (decode_linear, kla_decode_mixer_split) as programmatic dependent launches on
+# Batch-1 decoding's kernels (decode_linear, kla_decode_mixer_split) as programmatic dependent launches on
 # Hopper and later (see _pdl_wait); bench.py --pdl=0 turns it off to time the difference
 DECODE_PDL = True
 
 
 def _pdl(x):
-    """The launch options of a decoding kernel: PDL=True with launch_pdl where DECODE_PDL applies."""
+    """The launch options of a batch-1 decoding kernel: PDL=True with launch_pdl where DECODE_PDL applies."""
     on = (DECODE_PDL and x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
           and _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device()))
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
@@ -385,35 +309,6 @@ def _linear_config(N, K):
     if N < 264:
         return 16, BK, 4
     return 2, BK, 4 if BK <= 1024 else 8
-
-
-def _rows_config(M, N, K):
-    """(rows, outputs, K block, warps, stages) a program of _decode_rows_kernel: all M <= 64 rows in one block
-    (16 at least, tl.dot's smallest), and outputs a program so that GPT-2 small's projections make 48-400
-    programs. Below 264 outputs (no GPU-sized model) small blocks, which keep the tests fast in the
-    interpreter."""
-    BM = max(16, min(64, triton.next_power_of_2(M)))
-    if N < 264:
-        return BM, 16, min(64, max(16, triton.next_power_of_2(K))), 4, 1
-    return BM, (128 if N >= 16384 else 32 if N >= 2048 else 16), 128, 4, 3
-
-
-def _rows(x, weight, y, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None, heads=None, conv=None):
-    """Launches _decode_rows_kernel on x's B rows: y (B, N) = the product with weight (N, K); heads =
-    (ssq, gate, V) of the output projection, conv = (conv_q, conv_k, conv_v, w_q, w_k, w_v) of the input one."""
-    (M, _), (N, K) = x.shape, weight.shape
-    BM, BN, BK, warps, stages = _rows_config(M, N, K)
-    ssq, gate, V = heads if heads is not None else (x, x, 1)
-    cq, ckk, cvv, wq, wk, wv = conv if conv is not None else (x,) * 6
-    (HK, W), HV = (wq.shape, wv.shape[0]) if conv is not None else ((0, 2), 0)
-    _decode_rows_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
-        x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, ssq, gate,
-        cq, ckk, cvv, wq, wk, wv, M, N, K, x.stride(0), gate.stride(0), float(norm_eps),
-        NORM=norm_weight is not None and heads is None, SWIGLU=bool(swiglu), HEADS=heads is not None,
-        RES=residual is not None, CONV=conv is not None, HK=HK, HV=HV, V=V, NV=ssq.shape[-1] if heads else 1,
-        W=W, BM=BM, BN=BN, BK=BK,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **_pdl(x))
-    return y
 
 
 def _check_cache(conv_q, conv_k, conv_v, state, B, H, K, V, W, dtype):
@@ -462,28 +357,23 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
 
 
 def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None):
-    """One token's linear layer for B sequences as one kernel, for decoding: y = h W^T (+ residual), where h
-    is x, or RMSNorm(x) * norm_weight (norm_weight given), or SiLU(a) * b for x = [a | b] (swiglu). x (B, K),
-    or (B, 2 K) with swiglu; weight (N, K) as nn.Linear holds it; residual (B, N). Returns (B, N) in x's
-    dtype. At batch 1 a stream of the weights (_decode_linear_kernel), above it the same with a tensor-core
-    product over the rows (_decode_rows_kernel). model.GPT decodes with it (a norm, a projection and a
-    residual add each a kernel otherwise)."""
+    """One token's linear layer as one kernel, for decoding at batch 1: y = h W^T (+ residual), where h is
+    x, or RMSNorm(x) * norm_weight (norm_weight given), or SiLU(a) * b for x = [a | b] (swiglu). x (1, K),
+    or (1, 2 K) with swiglu; weight (N, K) as nn.Linear holds it; residual (1, N). Returns (1, N) in x's
+    dtype. model.GPT decodes with it at batch 1 (a norm, a projection and a residual add each a kernel otherwise)."""
     N, K = weight.shape
-    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] != (2 * K if swiglu else K) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous (B, {2 * K if swiglu else K}) tensor for a weight of shape "
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if swiglu else K) or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous (1, {2 * K if swiglu else K}) tensor for a weight of shape "
                          f"{(N, K)}{' with swiglu' if swiglu else ''}, got {tuple(x.shape)}")
-    B = x.shape[0]
     if not weight.is_contiguous() or weight.dtype != x.dtype:
         raise ValueError(f"weight must be contiguous and of x's dtype {x.dtype}, got {weight.dtype}")
     if norm_weight is not None and swiglu:
         raise ValueError("decode_linear takes norm_weight or swiglu, not both")
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
-    if residual is not None and (tuple(residual.shape) != (B, N) or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous ({B}, {N}) tensor, got {tuple(residual.shape)}")
-    y = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    if B > 1:
-        return _rows(x, weight, y, norm_weight=norm_weight, norm_eps=norm_eps, swiglu=swiglu, residual=residual)
+    if residual is not None and (tuple(residual.shape) != (1, N) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous (1, {N}) tensor, got {tuple(residual.shape)}")
+    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(N, K)
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
@@ -495,22 +385,22 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
 def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias,
                            eta_bias, state, o_norm_weight, o_proj_weight, *, n_head, eps=1e-6, norm_eps=1e-6,
                            o_norm_eps=None, scale=None, kaczmarz=True):
-    """One token for B sequences through RMSNorm, the KLA (or GDN) mixer and its output projection, plus the
+    """One token at batch 1 through RMSNorm, the KLA (or GDN) mixer and its output projection, plus the
     residual: x + o_proj(mixer(RMSNorm(x) * norm1_weight)), as three kernels whose middle one splits each head's
-    values over programs: the input projection with the short convolutions after it, the state step
-    (_decode_state_kernel, grid (V / BV, B H)), the output projection with each head's RMSNorm and SiLU(gate)
-    before it and the residual after (at batch 1 _decode_in_proj_kernel and _decode_out_proj_kernel, above it
-    _decode_rows_kernel). x (B, d); in_proj_weight (>= 2 H K + 2 H V + 2 H, d), its outputs
-    [q | k | v | gate | eta | decay | padding]; the convolution buffers (B, W - 1, channels) and the state
-    (B, H, K, V) float32 updated in place; o_proj_weight (d, H V). norm_eps is the input RMSNorm's epsilon,
-    o_norm_eps the heads' (norm_eps when None). model.Block computes the same in PyTorch."""
+    values over programs: the input projection with the short convolutions after it (_decode_in_proj_kernel),
+    the state step (_decode_state_kernel, grid (V / BV, H)), the output projection with each head's RMSNorm
+    and SiLU(gate) before it and the residual after (_decode_out_proj_kernel). x (1, d); in_proj_weight
+    (>= 2 H K + 2 H V + 2 H, d), its outputs [q | k | v | gate | eta | decay | padding]; the convolution
+    buffers (1, W - 1, channels) and the state (1, H, K, V) float32 updated in place; o_proj_weight (d, H V).
+    norm_eps is the input RMSNorm's epsilon, o_norm_eps the heads' (norm_eps when None).
+    model.Block computes the same in PyTorch."""
     H = n_head
     o_norm_eps = norm_eps if o_norm_eps is None else o_norm_eps
     (HK, W), HV = w_q.shape, w_v.shape[0]
     K, V = HK // H, HV // H
-    B, d = x.shape if x.dim() == 2 else (0, 0)
-    if x.dim() != 2 or B < 1 or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous (B, d) tensor, got {tuple(x.shape)}")
+    d = x.shape[-1]
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous (1, d) tensor, got {tuple(x.shape)}")
     for name, t in (("in_proj_weight", in_proj_weight), ("o_proj_weight", o_proj_weight)):
         if not t.is_contiguous() or t.dtype != x.dtype:
             raise ValueError(f"{name} must be contiguous and of x's dtype {x.dtype}, got {t.dtype}")
@@ -520,34 +410,27 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
         raise ValueError(f"o_proj_weight must be ({d}, {HV}), got {tuple(o_proj_weight.shape)}")
     if not w_q.dtype == w_k.dtype == w_v.dtype:
         raise ValueError(f"the convolution weights must share a dtype, got {w_q.dtype}, {w_k.dtype}, {w_v.dtype}")
-    _check_cache(conv_q, conv_k, conv_v, state, B, H, K, V, W, x.dtype)
+    _check_cache(conv_q, conv_k, conv_v, state, 1, H, K, V, W, x.dtype)
     N, pdl = in_proj_weight.shape[0], _pdl(x)
-    conv = (conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous())
-    xc = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    if B > 1:
-        _rows(x, in_proj_weight, xc, norm_weight=norm1_weight, norm_eps=norm_eps, conv=conv)
-    else:
-        BN, BK, warps = _linear_config(N, d)
-        if BK < d:
-            raise ValueError(f"kla_decode_mixer_split takes a width d <= 4096 at batch 1, got {d}")
-        _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
-            x, in_proj_weight, norm1_weight, xc, *conv, N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
-            BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **pdl)
-    o = torch.empty(B, HV, device=x.device, dtype=x.dtype)
+    xc = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    BN, BK, warps = _linear_config(N, d)
+    if BK < d:
+        raise ValueError(f"kla_decode_mixer_split takes a width d <= 4096, got {d}")
+    _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
+        x, in_proj_weight, norm1_weight, xc, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(),
+        w_v.contiguous(), N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
+        BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **pdl)
+    o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
     BV = 32
-    ssq = torch.empty(B, H, triton.cdiv(V, BV), device=x.device, dtype=torch.float32)
-    _decode_state_kernel[(triton.cdiv(V, BV), B * H)](
-        xc, A_log, dt_bias, eta_bias, state, o, ssq, xc.stride(0), float(K ** -0.5 if scale is None else scale),
-        float(eps), H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **pdl)
-    y = torch.empty(B, d, device=x.device, dtype=x.dtype)
-    gate = xc[:, 2 * HK + HV:]
-    if B > 1:
-        return _rows(o, o_proj_weight, y, norm_weight=o_norm_weight, norm_eps=o_norm_eps, residual=x,
-                     heads=(ssq, gate, V))
+    ssq = torch.empty(H, triton.cdiv(V, BV), device=x.device, dtype=torch.float32)
+    _decode_state_kernel[(triton.cdiv(V, BV), H)](
+        xc, A_log, dt_bias, eta_bias, state, o, ssq, float(K ** -0.5 if scale is None else scale), float(eps),
+        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **pdl)
+    y = torch.empty(1, d, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(d, HV)
     if BK < HV:
-        raise ValueError(f"kla_decode_mixer_split takes H V <= 4096 at batch 1, got {HV}")
+        raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
     _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
-        o, ssq, gate, o_proj_weight, o_norm_weight, x, y, d, HV, float(o_norm_eps), V=V,
-        NV=ssq.shape[-1], BN=BN, BK=BK, num_warps=warps, **pdl)
+        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(o_norm_eps), V=V,
+        NV=ssq.shape[1], BN=BN, BK=BK, num_warps=warps, **pdl)
     return y

@@ -328,8 +328,8 @@ class GPTConfig:
     kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
     chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
     backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
-    decode_fused: bool = True  # Triton backend, decoding: the whole block as five kernels up to 64 sequences,
-                               # the mixer between its projections as one kernel above (GPT._decode_fused)
+    decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel,
+                               # and at batch 1 the whole block as five (GPT._decode_fused)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
@@ -540,10 +540,6 @@ def _decode_mixer(m, xp, st):
                             m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight,
                             st["state"], m.n_head, m.eps, m.o_norm.eps, m.rule == "kaczmarz")
 
-
-# Decoding batches up to this many sequences run each block as kernels alone (GPT._decode_fused_blocks), weights
-# streamed through a product over the rows; larger ones run the mixer kernel between cuBLAS's projections
-DECODE_ROWS = 64
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
 # key length every token (bench.py's generate section times both)
@@ -816,14 +812,14 @@ class GPT(nn.Module):
                 and self.blocks[0].mixer.rule in ("kaczmarz", "unit") and self.config.decay)
 
     def _decode_fused(self, idx, cache):
-        """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). Up to
-        DECODE_ROWS sequences, with the weights and the cache's buffers in one dtype (not under autocast), every
-        block and the head run as kernels alone (_decode_fused_blocks); else each mixer runs between its
-        projections as one kernel (kernel_decode.kla_decode_mixer) and the rest of the model as its layers."""
+        """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,
+        with the weights and the cache's buffers in one dtype (not under autocast), every block and the head run
+        as kernels alone (_decode_fused_batch1); else each mixer runs between its projections as one kernel
+        (kernel_decode.kla_decode_mixer) and the rest of the model as its layers."""
         x = self.wte(idx)  # (B, 1, C)
+        if x.shape[0] == 1 and x.dtype == cache[0]["q_conv"].dtype:
+            return self._decode_fused_batch1(x, cache)
         B = x.shape[0]
-        if B <= DECODE_ROWS and x.dtype == cache[0]["q_conv"].dtype:
-            return self._decode_fused_blocks(x, cache)
         for block, st in zip(self.blocks, cache):
             m = block.mixer
             o = _decode_mixer(m, m.in_proj(block.norm1(x)).view(B, -1), st)  # (B, H dv)
@@ -832,14 +828,13 @@ class GPT(nn.Module):
         return self.lm_head(self.norm_f(x))
 
     @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
-    def _decode_fused_blocks(self, x, cache):
+    def _decode_fused_batch1(self, x, cache):
         """Each block as five kernels: RMSNorm + the mixer's input projection + the short convolutions; the
         state step, each head's values over several programs; the heads' RMSNorm and gate + the output
         projection + the residual (kernel_decode.kla_decode_mixer_split); RMSNorm + the MLP's first projection;
         SwiGLU + the MLP's second projection + the residual (kernel_decode.decode_linear). Then norm_f + lm_head
         as one more."""
-        B = x.shape[0]
-        x = x.view(B, -1)
+        x = x.view(1, -1)
         for block, st in zip(self.blocks, cache):
             m = block.mixer
             x = kernel_decode.kla_decode_mixer_split(
@@ -851,7 +846,7 @@ class GPT(nn.Module):
                                             norm_eps=block.norm2.eps)
             x = kernel_decode.decode_linear(h, block.mlp.down.weight, swiglu=True, residual=x)
         return kernel_decode.decode_linear(x, self.lm_head.weight, norm_weight=self.norm_f.weight,
-                                           norm_eps=self.norm_f.eps).view(B, 1, -1)
+                                           norm_eps=self.norm_f.eps).view(1, 1, -1)
 
     def new_cache(self):
         return [dict() for _ in self.blocks]

@@ -1093,20 +1093,17 @@ def test_model_on_the_kernel_matches_the_reference_path():
     assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
 
 
-@pytest.mark.parametrize("mixer,batch,size,rows", [
-    ("kla", 2, {}, 1), ("gdn", 2, {}, 1), ("kla", 1, {}, 64), ("gdn", 1, {}, 64), ("kla", 3, {}, 64), ("gdn", 3, {}, 64),
-    ("kla", 2, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0), 1),
-    ("kla", 1, dict(conv_size=3, expand_v=4.0), 64), ("kla", 3, dict(conv_size=3, expand_v=4.0), 64)])
-def test_fused_decode_step_matches_the_layer(mixer, batch, size, rows, monkeypatch):
-    """Decoding on the Triton backend through kernel_decode's kernels against the same model decoding through
-    the layers' PyTorch code and the step kernel: logits, the carried state and convolution buffers, token by
-    token; greedy generation equal. Up to model.DECODE_ROWS sequences (rows = 64) the whole block runs as five
-    kernels and the head as one (model.GPT._decode_fused_blocks: kla_decode_mixer_split, decode_linear), at
-    batch 1 as weight streams, above it through _decode_rows_kernel's product over the rows; with rows = 1
-    the batch of 2 is above it, and the mixer runs between its projections as one kernel (kla_decode_mixer;
-    with the seventh size, d_v 512, in eight blocks of 64). The last sizes: a convolution of 3 in a block of
-    4, d_v 64 in two value blocks of the state kernel, the heads' norm with an epsilon of its own."""
-    monkeypatch.setattr(model, "DECODE_ROWS", rows)
+@pytest.mark.parametrize("mixer,batch,size", [("kla", 2, {}), ("gdn", 2, {}), ("kla", 1, {}), ("gdn", 1, {}),
+                                              ("kla", 2, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0)),
+                                              ("kla", 1, dict(conv_size=3, expand_v=4.0))])
+def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
+    """kernel_decode.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
+    Triton backend; with the fifth size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
+    (the last size: a convolution of 3 in a block of 4, d_v 64 in two value blocks of the state kernel, the
+    heads' norm with an epsilon of its own)
+    as five kernels and the head as one (model.GPT._decode_fused, kernel_decode.decode_linear) against the same model decoding
+    through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
+    buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
     size = {"conv_size": 4, **size}
     fused = GPT(tiny_config(mixer, backend="triton", **size))
@@ -1132,17 +1129,14 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, rows, monkeypat
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
-    # kernels alone: the MLP's two projections in two layers, the head; five tokens
-    assert len(calls) == ((2 * 2 + 1) * 5 if batch <= rows else 0)
+    assert len(calls) == ((2 * 2 + 1) * 5 if batch == 1 else 0)  # batch 1: the MLP's two projections in two layers, the head; five tokens
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
-def test_fused_decode_step_is_one_graph(monkeypatch):
-    """Above model.DECODE_ROWS sequences a decoding step through the fused mixer kernel (the kla::decode_mixer
-    operator, which updates the cache in place) traces as one torch.compile graph holding every layer's mixer (a
-    torch.compiler.disable'd mixer ended the graph at the first one), and gives the uncompiled step's logits and
-    cache."""
-    monkeypatch.setattr(model, "DECODE_ROWS", 1)
+def test_fused_decode_step_is_one_graph():
+    """At batch > 1 a decoding step through the fused mixer kernel (the kla::decode_mixer operator, which updates the
+    cache in place) traces as one torch.compile graph holding every layer's mixer (a torch.compiler.disable'd
+    mixer ended the graph at the first one), and gives the uncompiled step's logits and cache."""
     torch.manual_seed(0)
     m = GPT(tiny_config("kla", backend="triton"))
     m.set_backend("cpu")
@@ -1165,16 +1159,15 @@ def test_fused_decode_step_is_one_graph(monkeypatch):
             assert rel_err(a[key], b[key]) < 1e-6, key
 
 
-@pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("N,K", [(40, 24), (7, 5000)])
 @pytest.mark.parametrize("how", ["plain", "norm", "swiglu", "norm+residual", "swiglu+residual"])
-def test_decode_linear_against_float64(B, N, K, how):
-    """kernel_decode.decode_linear (decoding's projections with their norm, SwiGLU and residual add; at batch 1
-    a weight stream, at 3 a product over the rows) against the same in float64; K = 5000 walks K in blocks."""
+def test_decode_linear_against_float64(N, K, how):
+    """kernel_decode.decode_linear (batch-1 decoding's projections with their norm, SwiGLU and residual add) against
+    the same in float64; K = 5000 walks K in two blocks."""
     torch.manual_seed(0)
     swiglu, norm, res = "swiglu" in how, "norm" in how, "residual" in how
-    x = torch.randn(B, 2 * K if swiglu else K)
-    w, nw, r = torch.randn(N, K) / K ** 0.5, torch.rand(K) + 0.5, torch.randn(B, N)
+    x = torch.randn(1, 2 * K if swiglu else K)
+    w, nw, r = torch.randn(N, K) / K ** 0.5, torch.rand(K) + 0.5, torch.randn(1, N)
     y = kernel_decode.decode_linear(x, w, norm_weight=nw if norm else None, norm_eps=1e-5, swiglu=swiglu,
                              residual=r if res else None)
     h = x.double()
@@ -1183,14 +1176,14 @@ def test_decode_linear_against_float64(B, N, K, how):
     if norm:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()
     want = h @ w.double().T + (r.double() if res else 0)
-    assert y.shape == (B, N) and y.dtype == x.dtype
+    assert y.shape == (1, N) and y.dtype == x.dtype
     assert rel_err(y, want) < 1e-6
 
 
 def test_decode_linear_errors_name_the_problem():
     w = torch.zeros(8, 16)
     with pytest.raises(ValueError, match="x must be"):
-        kernel_decode.decode_linear(torch.zeros(16), w)
+        kernel_decode.decode_linear(torch.zeros(2, 16), w)
     with pytest.raises(ValueError, match="x must be"):
         kernel_decode.decode_linear(torch.zeros(1, 16), w, swiglu=True)
     with pytest.raises(ValueError, match="dtype"):
@@ -1199,14 +1192,12 @@ def test_decode_linear_errors_name_the_problem():
         kernel_decode.decode_linear(torch.zeros(1, 16), w, norm_weight=torch.ones(8))
     with pytest.raises(ValueError, match="residual"):
         kernel_decode.decode_linear(torch.zeros(1, 16), w, residual=torch.zeros(1, 16))
-    with pytest.raises(ValueError, match="residual"):
-        kernel_decode.decode_linear(torch.zeros(2, 16), w, residual=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="not both"):
         kernel_decode.decode_linear(torch.zeros(1, 32), w, swiglu=True, norm_weight=torch.ones(16))
 
 
 def test_split_decode_errors_name_the_tensor():
-    """kernel_decode.kla_decode_mixer_split (decoding's norm, mixer and output projection) names what is wrong."""
+    """kernel_decode.kla_decode_mixer_split (batch-1 decoding of norm, mixer and output projection) names what is wrong."""
     H, K, V, W, d = 2, 16, 32, 4, 24
     x = torch.zeros(1, d)
     w_in, w_out = torch.zeros(2 * H * K + 2 * H * V + 2 * H, d), torch.zeros(d, H * V)
@@ -1216,7 +1207,7 @@ def test_split_decode_errors_name_the_tensor():
     args = lambda **kw: {**dict(x=x, norm1_weight=torch.ones(d), in_proj_weight=w_in, conv_q=cq, conv_k=ck, conv_v=cv,
                                 w_q=cw[0], w_k=cw[1], w_v=cw[2], A_log=vec[0], dt_bias=vec[1], eta_bias=vec[2],
                                 state=state, o_norm_weight=torch.ones(V), o_proj_weight=w_out), **kw}
-    for bad, match in [(dict(x=torch.zeros(d)), "x must"), (dict(x=torch.zeros(2, d)), "conv_q"), (dict(in_proj_weight=w_in[:-1]), "in_proj_weight"),
+    for bad, match in [(dict(x=torch.zeros(2, d)), "x must"), (dict(in_proj_weight=w_in[:-1]), "in_proj_weight"),
                        (dict(o_proj_weight=w_out.T.contiguous()), "o_proj_weight"), (dict(conv_k=cq[:, 1:]), "conv_k"),
                        (dict(state=state.double()), "state"), (dict(o_proj_weight=w_out.double()), "o_proj_weight")]:
         with pytest.raises(ValueError, match=match):
