@@ -27,7 +27,7 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
                        saves S0 of every chunk for the backward when a gradient is needed.
     _fwd_o_kernel      grid (chunks, B*H): O from the saved states (U again from U0 - W S0), when _fwd_kernel leaves
                        it out (few programs, and a gradient needed or a long sequence: _fwd_fuse_o).
-    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T (Gamma o QK^T)^T dO, Wd = P^T Diag(exp(b_C - b)) K.
+    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T Aqk^T dO (the forward's Aqk), Wd = P^T Diag(exp(b_C - b)) K.
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
     _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
@@ -331,11 +331,12 @@ def _fwd_o_kernel(q, bl_ptr, w, u0, aqk, hs, o, cr, T, H, Tp, scale,
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, cr, T, H, Tp, scale,
+def _bwd_pre_kernel(k, do, bl_ptr, beta_ptr, ar, aqk, wd, dv0, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Token-parallel: dU = scale (Gamma o QK^T)^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
-        dVn = dV0 + Wd dS1,  dV0 = scale P^T (Gamma o QK^T)^T dO,  Wd = P^T Diag(exp(b_C - b)) K."""
+    """Token-parallel: dU = scale Aqk^T dO + Diag(exp(b_C - b)) K dS1 and dVn = P^T dU, so
+        dVn = dV0 + Wd dS1,  dV0 = scale P^T Aqk^T dO,  Wd = P^T Diag(exp(b_C - b)) K,
+    with Aqk = Gamma o QK^T as the forward kept it (read transposed)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -346,14 +347,13 @@ def _bwd_pre_kernel(q, k, do, bl_ptr, beta_ptr, ar, wd, dv0, cr, T, H, Tp, scale
     rx = x0 + r  # token rows
     qk_off, v_off = (i_b * T * H + i_h) * K, (i_b * T * H + i_h) * V
     causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
-    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
     bar_t = tl.load(ar + (i_bh * Tp + t0 + r[None, :]) * C + r[:, None]).to(tl.float32)  # Ar^T
+    Aqk_t = tl.load(aqk + (i_bh * Tp + t0 + r[None, :]) * C + r[:, None]).to(dt)  # Aqk^T (zero above i >= j)
     gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
-    Aqk_t = tl.where(causal_t, tl.dot(bk, tl.trans(bq), input_precision=PREC) * gam_t, 0.).to(dt)
     P_t = (bar_t * beta[:, None] * gam_t).to(dt)
     Wd = tl.dot(P_t, (bk * tl.exp2(blC - bl)[:, None]).to(dt), input_precision=PREC)
     _st(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1, Wd)
@@ -876,7 +876,7 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
     dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
     fp32 = q.dtype == torch.float32
     BVP, nwp = _pre_config(BK, V, fp32)
-    _bwd_pre_kernel[(N, B * H)](q, k, do, bl, beta, ar, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+    _bwd_pre_kernel[(N, B * H)](k, do, bl, beta, ar, aqk, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                 BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
     BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
     _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
