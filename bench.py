@@ -357,7 +357,7 @@ def section_tune_decode(device, smoke):
                     kernel_decode._linear_config = lambda N, K, v=v: (v[0], BK, v[1])
                     label = f"decode_linear BN={v[0]} warps={v[1]}"
                 else:
-                    kernel_decode._rows_config = lambda M, N, K, v=v: (BM,) + v
+                    kernel_decode._rows_config = lambda M, N, K, fp32=False, v=v: (BM,) + v
                     label = f"decode_linear rows BN={v[0]} BK={v[1]} warps={v[2]} stages={v[3]}"
                 try:
                     us = gpu_us(lambda w: kernel_decode.decode_linear(x, w), ws)

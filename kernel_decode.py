@@ -303,11 +303,14 @@ def _decode_rows_kernel(x, w, y, norm_w, res, ssq, gate, cq, ckk, cvv, wq, wk, w
         if NORM:
             sumsq += tl.sum(h * h, 1)
             h = h * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)[None, :]
-        if HEADS:
-            head = (rm[:, None] * K + rk[None, :]) // V  # the (sequence, head) of each element, K = H V
+        if HEADS:  # each row's sum of squares over the heads this K block touches (K = H V), spread to its columns
             s = tl.zeros([BM, BK], dtype=tl.float32)
-            for j in tl.static_range(NV):
-                s += tl.load(ssq + head * NV + j, mask=mx, other=0.)
+            for t in tl.static_range((BK - 1) // V + 2):
+                hh = tl.minimum(k0 // V + t, K // V - 1)  # past the last head: only masked columns
+                st = tl.zeros([BM], dtype=tl.float32)
+                for j in tl.static_range(NV):
+                    st += tl.load(ssq + (rm * (K // V) + hh) * NV + j, mask=mm, other=0.)
+                s = tl.where((rk // V == hh)[None, :], st[:, None], s)
             gt = tl.load(gate + rm[:, None] * stride_g + rk[None, :], mask=mx, other=0.).to(tl.float32)
             h = h / tl.sqrt(s / V + norm_eps) * tl.load(norm_w + rk % V, mask=mk, other=0.).to(tl.float32)[None, :]
             h = h * gt * tl.sigmoid(gt)
@@ -387,22 +390,22 @@ def _linear_config(N, K):
     return 2, BK, 4 if BK <= 1024 else 8
 
 
-def _rows_config(M, N, K):
+def _rows_config(M, N, K, fp32=False):
     """(rows, outputs, K block, warps, stages) a program of _decode_rows_kernel: all M <= 64 rows in one block
     (16 at least, tl.dot's smallest), and outputs a program so that GPT-2 small's projections make 48-400
-    programs. Below 264 outputs (no GPU-sized model) small blocks, which keep the tests fast in the
-    interpreter."""
+    programs. K blocks of 64 in float32, so that three stages of the prologues' loads fit in shared memory.
+    Below 264 outputs (no GPU-sized model) small blocks, which keep the tests fast in the interpreter."""
     BM = max(16, min(64, triton.next_power_of_2(M)))
     if N < 264:
         return BM, 16, min(64, max(16, triton.next_power_of_2(K))), 4, 1
-    return BM, (128 if N >= 16384 else 32 if N >= 2048 else 16), 128, 4, 3
+    return BM, (128 if N >= 16384 else 32 if N >= 2048 else 16), 64 if fp32 else 128, 4, 3
 
 
 def _rows(x, weight, y, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None, heads=None, conv=None):
     """Launches _decode_rows_kernel on x's B rows: y (B, N) = the product with weight (N, K); heads =
     (ssq, gate, V) of the output projection, conv = (conv_q, conv_k, conv_v, w_q, w_k, w_v) of the input one."""
     (M, _), (N, K) = x.shape, weight.shape
-    BM, BN, BK, warps, stages = _rows_config(M, N, K)
+    BM, BN, BK, warps, stages = _rows_config(M, N, K, x.dtype == torch.float32)
     ssq, gate, V = heads if heads is not None else (x, x, 1)
     cq, ckk, cvv, wq, wk, wv = conv if conv is not None else (x,) * 6
     (HK, W), HV = (wq.shape, wv.shape[0]) if conv is not None else ((0, 2), 0)
