@@ -753,13 +753,19 @@ def _seq_config(BH, V, fp32=False, bwd=False):
 
 def _fwd_fuse_o(BH, V, save, N):
     """Whether _fwd_kernel computes the output itself, or leaves it to _fwd_o_kernel, which reads the
-    states S0 of the N chunks (fewer bytes a step in the sequential loop). Split when few programs run and
-    the states are saved for the backward anyway ((1, 32768, 16, 128) forward 1.47 -> 1.25 ms, 3 stages) or
-    the sequence is long (N >= 256 chunks): the whole model's 128K-token prefill 113.8 -> 101.4 ms, 64K 58.0 ->
-    51.3, 16K 23.0 -> 20.7 on an H200 (`python bench.py --section=prefill --fuse_o=1`, then `--fuse_o=0`); its
-    states' memory is temporary (+0.66 GiB there).
-    Fused otherwise (8192-token prefill segments: no consistent gain measured)."""
-    return not (_few_programs(BH, V) and (save or N >= 256))
+    states S0 of the N chunks (fewer bytes a step in the sequential loop). Fused with many programs, and with
+    few when they still fill the GPU at 16 value columns (BH cdiv(V, 16) >= 128, one an SM of an H100 / H200):
+    on an H200 the forward at (1, 32768, 16, 128) took 0.952 ms fused against 1.032 split, at (1, 131072, 16,
+    128) 3.707 against 4.022, forward + backward at (1, 32768, 16, 128) 3.918 against 3.931 (`python bench.py
+    --section=kernel --rows=3f,4f,3b --fuse_o=1`, then `--fuse_o=0`). Split when fewer programs run and the
+    states are saved for the backward anyway or the sequence is long (N >= 256 chunks): the whole model's
+    (6 heads, d_v 192: 72 programs) one-pass prefill of 128K tokens 180.3 ms split against 184.8 fused, 16K 25.0
+    against 25.7 (`python bench.py --section=prefill --lengths=16384,131072 --fuse_o=0`, then `=1`; its 16K-token
+    segments mixed, 0.91-1.02x fused); its states' memory is temporary. Fused otherwise (8192-token prefill
+    segments: no consistent gain measured)."""
+    if not _few_programs(BH, V) or BH * triton.cdiv(V, 16) >= 128:
+        return True
+    return not (save or N >= 256)
 
 
 def _prep_warps(BK, fp32=False):

@@ -297,18 +297,33 @@ def _pdl_device(index):
 
 def _linear_config(N, K):
     """(rows a program, K block, warps) of the batch-1 decoding projections (_decode_linear_kernel and the
-    mixer's _decode_in_proj_kernel / _decode_out_proj_kernel): all of K requested at once up to 4096 columns,
-    2 rows a program, 4 warps up to K = 1024 and 8 above. Measured on an H200 with `python bench.py
-    --section=tune_decode` (each weight read from HBM), us a call, this config against the best of 24 (rows
-    1-32 x warps 1-8) and cuBLAS: (3472, 768) 3.37 (best) / 4.68; (768, 1152) 2.48 (best) / 5.23; (4096, 768)
-    3.62 (best) / 4.85; (768, 2048) 2.85 against 2.84 / 7.54; (50304, 768) 20.2 against 19.5 / 21.9; 8 rows a
-    program at 768 columns with 4 warps took 4.0, 3.6, 4.2, 3.6, 21.4. Below 264
-    outputs (no GPU-sized model) 16 rows a program, which keeps the tests' tiny models fast in the
-    interpreter."""
+    mixer's _decode_in_proj_kernel / _decode_out_proj_kernel): all of K requested at once up to 4096 columns.
+    Chosen inside the whole decoding token on an H200 (GPT-2 small, CUDA graph; `python tools/decode_config.py
+    --sweep`: each projection's rows 1-16 x warps 1-8 with the others at 2 rows and 4 warps, 8 from K = 2048,
+    ms a token against 0.2515 for those): 8 rows and 4 warps for the wide outputs, the MLP's (4096, 768) 0.2407
+    and lm_head (50304, 768) 0.2407; 8 rows and 8 warps for the model's width as output, the mixer's (768, 1152)
+    0.2405 and the MLP's (768, 2048) 0.2504; 2 rows and 4 warps kept for the mixer's (3472, 768), where 8 rows
+    took 0.2568. Against 2 rows and 4 warps everywhere (8 from K = 2048), in one process (`python
+    tools/decode_config.py`): 0.229 against 0.251 ms a token (0.911-0.925x in five alternating rounds, GDN
+    0.912-0.918x). Timed alone, each
+    weight read from HBM (`python bench.py --section=tune_decode`), 2 rows were the fastest everywhere: a call's
+    own time is not what a token of dependent launches waits for. Below 264 outputs (no GPU-sized model) 16
+    rows a program, which keeps the tests' tiny models fast in the interpreter."""
     BK = min(triton.next_power_of_2(K), 4096)
     if N < 264:
         return 16, BK, 4
+    if N >= 4096:
+        return 8, BK, 4
+    if N <= 1024:
+        return 8, BK, 8
     return 2, BK, 4 if BK <= 1024 else 8
+
+
+def _state_config(V):
+    """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 32 columns, 4 warps
+    (d_v 192: 36 programs for the 6 heads). In the sweep of _linear_config, 16 or 64 columns at 1-8 warps and 32
+    at 1, 2 or 8 took 1.000-1.105x the token's time."""
+    return 32, 4
 
 
 def _check_cache(conv_q, conv_k, conv_v, state, B, H, K, V, W, dtype):
@@ -421,11 +436,11 @@ def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv
         w_v.contiguous(), N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
         BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **pdl)
     o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
-    BV = 32
+    BV, warps = _state_config(V)
     ssq = torch.empty(H, triton.cdiv(V, BV), device=x.device, dtype=torch.float32)
     _decode_state_kernel[(triton.cdiv(V, BV), H)](
         xc, A_log, dt_bias, eta_bias, state, o, ssq, float(K ** -0.5 if scale is None else scale), float(eps),
-        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=4, **pdl)
+        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=warps, **pdl)
     y = torch.empty(1, d, device=x.device, dtype=x.dtype)
     BN, BK, warps = _linear_config(d, HV)
     if BK < HV:

@@ -1,0 +1,137 @@
+"""
+Batch-1 decoding's kernel configurations timed inside the whole token: GPT-2 small (bench.py's model), each step
+replayed from a CUDA graph (model.stream), ms a token as the median of 3 runs of 128 tokens. A single call timed
+alone (bench.py --section=tune_decode) does not show what a chain of dependent launches waits for.
+    python3 tools/decode_config.py                  kernel_decode._linear_config against 2 rows a program and 4
+                                                    warps everywhere (8 from K = 2048), alternating, KLA and GDN
+    python3 tools/decode_config.py --sweep          each projection's (rows, warps) and the state kernel's
+                                                    (columns, warps), one at a time, the others as they are
+                                                    (--from=2rows: the others at 2 rows everywhere), then
+                                                    the fastest of each together against that, alternating
+    python3 tools/decode_config.py --shared_blocks  every block with block 0's weights (after the first block they
+                                                    are in the L2 cache): what weights in L2 would give at most
+--prompt=1024 (the prompt before the timed tokens), --rounds=5. Prints markdown tables.
+"""
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import triton
+
+import bench
+import kernel_decode
+
+ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+PROMPT, ROUNDS = int(ARGS.get("prompt", 1024)), int(ARGS.get("rounds", 5))
+LINEAR, STATE = kernel_decode._linear_config, kernel_decode._state_config
+# the model's projections: the mixer's input and output, the MLP's two, the head
+SHAPES = {"in_proj": (3472, 768), "o_proj": (768, 1152), "gate_up": (4096, 768), "down": (768, 2048),
+          "lm_head": (50304, 768)}
+
+
+def two_rows(N, K):
+    """2 rows a program and 4 warps (8 from K = 2048) at every shape, the tests' tiny models aside."""
+    BK = min(triton.next_power_of_2(K), 4096)
+    return (16, BK, 4) if N < 264 else (2, BK, 4 if BK <= 1024 else 8)
+
+
+def use(linear=LINEAR, state=STATE):
+    kernel_decode._linear_config, kernel_decode._state_config = linear, state
+
+
+def ms_per_token(model, n_new=128, runs=3):
+    times = []
+    for _ in range(runs):
+        stream = model.stream(torch.randint(50304, (1, PROMPT), device="cuda"), n_new + 1, temperature=0,
+                              cuda_graph=True)
+        next(stream)  # the prompt and the first token
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in stream:
+            pass
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0) / n_new)
+    return statistics.median(times)
+
+
+def sweep(model):
+    start = two_rows if ARGS.get("from") == "2rows" else LINEAR
+    label = "2 rows everywhere" if start is two_rows else "current"
+    use(linear=start)
+    print("| kernel | configuration | ms / token | vs the row \"all\" above |\n|---|---|---|---|")
+    base = ms_per_token(model)
+    print(f"| all | {label} | {base:.4f} | 1.000 |", flush=True)
+    best = {}  # the fastest configuration of each kernel, where it beats the row "all" by 1 % or more
+    for name, shape in SHAPES.items():
+        for rows in (1, 2, 4, 8, 16):
+            for warps in (1, 2, 4, 8):
+                BK = start(*shape)[1]
+                use(linear=lambda N, K, c=(rows, BK, warps), s=shape: c if (N, K) == s else start(N, K))
+                try:
+                    t = ms_per_token(model)
+                except Exception as err:  # a configuration Triton cannot build
+                    print(f"| {name} | rows {rows} warps {warps} | {type(err).__name__} | - |", flush=True)
+                    continue
+                print(f"| {name} | rows {rows} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
+                if t < 0.99 * base and t < best.get(shape, (base, None))[0]:
+                    best[shape] = (t, (rows, BK, warps))
+        use(linear=start)
+        base = ms_per_token(model)  # again after each kernel: the GPU's state drifts
+        print(f"| all | {label} | {base:.4f} | 1.000 |", flush=True)
+    for cols in (16, 32, 64):
+        for warps in (1, 2, 4, 8):
+            use(linear=start, state=lambda V, c=(cols, warps): c)
+            t = ms_per_token(model)
+            print(f"| state | columns {cols} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
+            if t < 0.99 * base and t < best.get("state", (base, None))[0]:
+                best["state"] = (t, (cols, warps))
+    state = best.pop("state", (None, STATE))[1]
+    state = state if callable(state) else (lambda V, c=state: c)
+    chosen = {shape: c for shape, (t, c) in best.items()}
+    print(f"\nthe best of each together: {chosen}, state {state(192)}\n\n"
+          f"| round | {label} ms | best of each ms | ratio |\n|---|---|---|---|")
+    for r in range(ROUNDS):
+        use(linear=start)
+        a = ms_per_token(model)
+        use(linear=lambda N, K: chosen.get((N, K), start(N, K)), state=state)
+        b = ms_per_token(model)
+        print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
+    use()
+
+
+def main():
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"prompt {PROMPT}\n")
+    for mixer in ("kla",) if "--sweep" in sys.argv or "--shared_blocks" in sys.argv else ("kla", "gdn"):
+        model = bench.eval_model(mixer, "cuda", False)[0]
+        if "--sweep" in sys.argv:
+            sweep(model)
+            continue
+        if "--shared_blocks" in sys.argv:
+            blocks = model.blocks
+            print("| round | own weights ms | block 0's weights ms | ratio |\n|---|---|---|---|")
+            for r in range(ROUNDS):
+                a = ms_per_token(model)
+                model.blocks = torch.nn.ModuleList([blocks[0]] * len(blocks))
+                b = ms_per_token(model)
+                model.blocks = blocks
+                print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
+            continue
+        print(f"{mixer}\n\n| round | 2 rows ms | _linear_config ms | ratio |\n|---|---|---|---|")
+        for r in range(ROUNDS):
+            use(linear=two_rows)
+            a = ms_per_token(model)
+            use()
+            b = ms_per_token(model)
+            print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("error: tools/decode_config.py times CUDA graphs and found no GPU")
+    bench.ARGS.clear()
+    main()
