@@ -319,6 +319,13 @@ def _linear_config(N, K):
     return 2, BK, 4 if BK <= 1024 else 8
 
 
+def _mixer_config(V):
+    """(value columns a step, warps) of the one-kernel mixer (_decode_mixer_kernel, batch > 1): V in blocks of 64
+    with 4 warps. The head's whole state as one tile (16 warps) was slower on an H200, 14.3 against 11.8 us a call
+    at batch 1 and 55 against 21 us at batch 64."""
+    return min(64, max(16, triton.next_power_of_2(V))), 4
+
+
 def _state_config(V):
     """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 32 columns, 4 warps
     (d_v 192: 36 programs for the 6 heads). In the sweep of _linear_config, 16 or 64 columns at 1-8 warps and 32
@@ -359,15 +366,14 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
     _check_cache(conv_q, conv_k, conv_v, state, B, H, K, V, W, xp.dtype)
     out = torch.empty(B, H * V, device=xp.device, dtype=xp.dtype)
     scale = K ** -0.5 if scale is None else scale
-    # A_log, dt_bias, eta_bias as they are (a .float() here would be three copy kernels a layer and token).
-    # V in blocks of 64 with 4 warps: the head's whole state as one tile (16 warps) was slower on an H200,
-    # 14.3 against 11.8 us a call at batch 1 and 55 against 21 us at batch 64
+    # A_log, dt_bias, eta_bias as they are (a .float() here would be three copy kernels a layer and token)
+    BV, warps = _mixer_config(V)
     _decode_mixer_kernel[(B * H,)](
         xp, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous(), A_log.contiguous(),
         dt_bias.contiguous(), eta_bias.contiguous(), norm_weight.contiguous(), state, out,
         xp.stride(0), float(scale), float(eps), float(norm_eps),
-        H=H, K=K, V=V, W=W, BK=_block_k(K), BV=min(64, max(16, triton.next_power_of_2(V))),
-        BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz), num_warps=4)
+        H=H, K=K, V=V, W=W, BK=_block_k(K), BV=BV, BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz),
+        num_warps=warps)
     return out
 
 

@@ -1,6 +1,6 @@
 """
-Batch-1 decoding's kernel configurations timed inside the whole token: GPT-2 small (bench.py's model), each step
-replayed from a CUDA graph (model.stream), ms a token as the median of 3 runs of 128 tokens. A single call timed
+Decoding's kernel configurations timed inside the whole step: GPT-2 small (bench.py's model), each step
+replayed from a CUDA graph (model.stream), ms a step as the median of 3 runs of 128 steps. A single call timed
 alone (bench.py --section=tune_decode) does not show what a chain of dependent launches waits for.
     python3 tools/decode_config.py                  kernel_decode._linear_config against 2 rows a program and 4
                                                     warps everywhere (8 from K = 2048), alternating, KLA and GDN
@@ -10,7 +10,9 @@ alone (bench.py --section=tune_decode) does not show what a chain of dependent l
                                                     the fastest of each together against that, alternating
     python3 tools/decode_config.py --shared_blocks  every block with block 0's weights (after the first block they
                                                     are in the L2 cache): what weights in L2 would give at most
---prompt=1024 (the prompt before the timed tokens), --rounds=5. Prints markdown tables.
+    python3 tools/decode_config.py --batch=64       the one-kernel mixer's (columns a step, warps) at batch 64,
+                                                    the model compiled as one graph (bench.py --compile_infer=1)
+--prompt=1024 (the prompt before the timed steps), --rounds=5. Prints markdown tables, ms a decoding step.
 """
 import os
 import statistics
@@ -25,8 +27,8 @@ import bench
 import kernel_decode
 
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-PROMPT, ROUNDS = int(ARGS.get("prompt", 1024)), int(ARGS.get("rounds", 5))
-LINEAR, STATE = kernel_decode._linear_config, kernel_decode._state_config
+PROMPT, ROUNDS, BATCH = int(ARGS.get("prompt", 1024)), int(ARGS.get("rounds", 5)), int(ARGS.get("batch", 1))
+LINEAR, STATE, MIXER = kernel_decode._linear_config, kernel_decode._state_config, kernel_decode._mixer_config
 # the model's projections: the mixer's input and output, the MLP's two, the head
 SHAPES = {"in_proj": (3472, 768), "o_proj": (768, 1152), "gate_up": (4096, 768), "down": (768, 2048),
           "lm_head": (50304, 768)}
@@ -42,10 +44,10 @@ def use(linear=LINEAR, state=STATE):
     kernel_decode._linear_config, kernel_decode._state_config = linear, state
 
 
-def ms_per_token(model, n_new=128, runs=3):
+def ms_per_step(model, n_new=128, runs=3):
     times = []
     for _ in range(runs):
-        stream = model.stream(torch.randint(50304, (1, PROMPT), device="cuda"), n_new + 1, temperature=0,
+        stream = model.stream(torch.randint(50304, (BATCH, PROMPT), device="cuda"), n_new + 1, temperature=0,
                               cuda_graph=True)
         next(stream)  # the prompt and the first token
         torch.cuda.synchronize()
@@ -62,7 +64,7 @@ def sweep(model):
     label = "2 rows everywhere" if start is two_rows else "current"
     use(linear=start)
     print("| kernel | configuration | ms / token | vs the row \"all\" above |\n|---|---|---|---|")
-    base = ms_per_token(model)
+    base = ms_per_step(model)
     print(f"| all | {label} | {base:.4f} | 1.000 |", flush=True)
     best = {}  # the fastest configuration of each kernel, where it beats the row "all" by 1 % or more
     for name, shape in SHAPES.items():
@@ -71,7 +73,7 @@ def sweep(model):
                 BK = start(*shape)[1]
                 use(linear=lambda N, K, c=(rows, BK, warps), s=shape: c if (N, K) == s else start(N, K))
                 try:
-                    t = ms_per_token(model)
+                    t = ms_per_step(model)
                 except Exception as err:  # a configuration Triton cannot build
                     print(f"| {name} | rows {rows} warps {warps} | {type(err).__name__} | - |", flush=True)
                     continue
@@ -79,12 +81,12 @@ def sweep(model):
                 if t < 0.99 * base and t < best.get(shape, (base, None))[0]:
                     best[shape] = (t, (rows, BK, warps))
         use(linear=start)
-        base = ms_per_token(model)  # again after each kernel: the GPU's state drifts
+        base = ms_per_step(model)  # again after each kernel: the GPU's state drifts
         print(f"| all | {label} | {base:.4f} | 1.000 |", flush=True)
     for cols in (16, 32, 64):
         for warps in (1, 2, 4, 8):
             use(linear=start, state=lambda V, c=(cols, warps): c)
-            t = ms_per_token(model)
+            t = ms_per_step(model)
             print(f"| state | columns {cols} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
             if t < 0.99 * base and t < best.get("state", (base, None))[0]:
                 best["state"] = (t, (cols, warps))
@@ -95,16 +97,36 @@ def sweep(model):
           f"| round | {label} ms | best of each ms | ratio |\n|---|---|---|---|")
     for r in range(ROUNDS):
         use(linear=start)
-        a = ms_per_token(model)
+        a = ms_per_step(model)
         use(linear=lambda N, K: chosen.get((N, K), start(N, K)), state=state)
-        b = ms_per_token(model)
+        b = ms_per_step(model)
         print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
     use()
 
 
+def sweep_mixer(model):
+    """The one-kernel mixer (batch > 1): its (columns a step, warps), the rest of the step as it is."""
+    print("| configuration | ms / step | vs the current one |\n|---|---|---|")
+    base = ms_per_step(model)
+    print(f"| current {MIXER(192)} | {base:.4f} | 1.000 |", flush=True)
+    for cols in (16, 32, 64, 128, 256):
+        for warps in (1, 2, 4, 8, 16):
+            kernel_decode._mixer_config = lambda V, c=(cols, warps): c
+            try:
+                t = ms_per_step(model)
+            except Exception as err:  # a configuration Triton cannot build
+                print(f"| columns {cols} warps {warps} | {type(err).__name__} | - |", flush=True)
+                continue
+            print(f"| columns {cols} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
+    kernel_decode._mixer_config = MIXER
+    print(f"| current {MIXER(192)} | {ms_per_step(model):.4f} | - |", flush=True)
+
+
 def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"prompt {PROMPT}\n")
+          f"prompt {PROMPT}, batch {BATCH}\n")
+    if BATCH > 1:
+        return sweep_mixer(bench.eval_model("kla", "cuda", False, True)[0])
     for mixer in ("kla",) if "--sweep" in sys.argv or "--shared_blocks" in sys.argv else ("kla", "gdn"):
         model = bench.eval_model(mixer, "cuda", False)[0]
         if "--sweep" in sys.argv:
@@ -114,18 +136,18 @@ def main():
             blocks = model.blocks
             print("| round | own weights ms | block 0's weights ms | ratio |\n|---|---|---|---|")
             for r in range(ROUNDS):
-                a = ms_per_token(model)
+                a = ms_per_step(model)
                 model.blocks = torch.nn.ModuleList([blocks[0]] * len(blocks))
-                b = ms_per_token(model)
+                b = ms_per_step(model)
                 model.blocks = blocks
                 print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
             continue
         print(f"{mixer}\n\n| round | 2 rows ms | _linear_config ms | ratio |\n|---|---|---|---|")
         for r in range(ROUNDS):
             use(linear=two_rows)
-            a = ms_per_token(model)
+            a = ms_per_step(model)
             use()
-            b = ms_per_token(model)
+            b = ms_per_step(model)
             print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
         print()
 
