@@ -299,16 +299,16 @@ def _linear_config(N, K):
     """(rows a program, K block, warps) of the batch-1 decoding projections (_decode_linear_kernel and the
     mixer's _decode_in_proj_kernel / _decode_out_proj_kernel): all of K requested at once up to 4096 columns.
     Chosen inside the whole decoding token on an H200 (GPT-2 small, CUDA graph; `python tools/decode_config.py
-    --sweep`: each projection's rows 1-16 x warps 1-8 with the others at 2 rows and 4 warps, 8 from K = 2048,
-    ms a token against 0.2515 for those): 8 rows and 4 warps for the wide outputs, the MLP's (4096, 768) 0.2407
-    and lm_head (50304, 768) 0.2407; 8 rows and 8 warps for the model's width as output, the mixer's (768, 1152)
-    0.2405 and the MLP's (768, 2048) 0.2504; 2 rows and 4 warps kept for the mixer's (3472, 768), where 8 rows
-    took 0.2568. Against 2 rows and 4 warps everywhere (8 from K = 2048), in one process (`python
-    tools/decode_config.py`): 0.229 against 0.251 ms a token (0.911-0.925x in five alternating rounds, GDN
-    0.912-0.918x). Timed alone, each
-    weight read from HBM (`python bench.py --section=tune_decode`), 2 rows were the fastest everywhere: a call's
-    own time is not what a token of dependent launches waits for. Below 264 outputs (no GPU-sized model) 16
-    rows a program, which keeps the tests' tiny models fast in the interpreter."""
+    --sweep --from=2rows --prompt=64`: each projection's rows 1-16 x warps 1-8 with the others at 2 rows and 4
+    warps, 8 from K = 2048, ms a token against 0.2515 for those): 8 rows and 4 warps for the wide outputs, the
+    MLP's (4096, 768) 0.2407 and lm_head (50304, 768) 0.2407; 8 rows and 8 warps for the model's width as
+    output, the mixer's (768, 1152) 0.2405 and the MLP's (768, 2048) 0.2504; 2 rows and 4 warps kept for the
+    mixer's (3472, 768), where 8 rows took 0.2568. Against 2 rows and 4 warps everywhere (8 from K = 2048) in
+    one process (`python tools/decode_config.py`): 0.229 against 0.251 ms a token (0.911-0.925x in five
+    alternating rounds, GDN 0.912-0.918x). Timed alone with each weight read from HBM (`python bench.py
+    --section=tune_decode`), 2 rows were the fastest at every shape: a call's own time is not what a token of
+    dependent launches waits for. Below 264 outputs (no GPU-sized model) 16 rows a program, which keeps the
+    tests' tiny models fast in the interpreter."""
     BK = min(triton.next_power_of_2(K), 4096)
     if N < 264:
         return 16, BK, 4
