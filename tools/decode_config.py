@@ -59,6 +59,17 @@ def ms_per_step(model, n_new=128, runs=3):
     return statistics.median(times)
 
 
+def timed_row(model, label, base):
+    """One configuration's row of a sweep: its time (None where Triton cannot build it) printed against base."""
+    try:
+        t = ms_per_step(model)
+    except Exception as err:  # a configuration Triton cannot build
+        print(f"| {label} | {type(err).__name__} | - |", flush=True)
+        return None
+    print(f"| {label} | {t:.4f} | {t / base:.3f} |", flush=True)
+    return t
+
+
 def sweep(model):
     start = two_rows if ARGS.get("from") == "2rows" else LINEAR
     label = "2 rows everywhere" if start is two_rows else "current"
@@ -72,13 +83,8 @@ def sweep(model):
             for warps in (1, 2, 4, 8):
                 BK = start(*shape)[1]
                 use(linear=lambda N, K, c=(rows, BK, warps), s=shape: c if (N, K) == s else start(N, K))
-                try:
-                    t = ms_per_step(model)
-                except Exception as err:  # a configuration Triton cannot build
-                    print(f"| {name} | rows {rows} warps {warps} | {type(err).__name__} | - |", flush=True)
-                    continue
-                print(f"| {name} | rows {rows} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
-                if t < 0.99 * base and t < best.get(shape, (base, None))[0]:
+                t = timed_row(model, f"{name} | rows {rows} warps {warps}", base)
+                if t is not None and t < 0.99 * base and t < best.get(shape, (base, None))[0]:
                     best[shape] = (t, (rows, BK, warps))
         use(linear=start)
         base = ms_per_step(model)  # again after each kernel: the GPU's state drifts
@@ -86,9 +92,8 @@ def sweep(model):
     for cols in (16, 32, 64):
         for warps in (1, 2, 4, 8):
             use(linear=start, state=lambda V, c=(cols, warps): c)
-            t = ms_per_step(model)
-            print(f"| state | columns {cols} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
-            if t < 0.99 * base and t < best.get("state", (base, None))[0]:
+            t = timed_row(model, f"state | columns {cols} warps {warps}", base)
+            if t is not None and t < 0.99 * base and t < best.get("state", (base, None))[0]:
                 best["state"] = (t, (cols, warps))
     state = best.pop("state", (None, STATE))[1]
     state = state if callable(state) else (lambda V, c=state: c)
@@ -112,12 +117,7 @@ def sweep_mixer(model):
     for cols in (16, 32, 64, 128, 256):
         for warps in (1, 2, 4, 8, 16):
             kernel_decode._mixer_config = lambda V, c=(cols, warps): c
-            try:
-                t = ms_per_step(model)
-            except Exception as err:  # a configuration Triton cannot build
-                print(f"| columns {cols} warps {warps} | {type(err).__name__} | - |", flush=True)
-                continue
-            print(f"| columns {cols} warps {warps} | {t:.4f} | {t / base:.3f} |", flush=True)
+            timed_row(model, f"columns {cols} warps {warps}", base)
     kernel_decode._mixer_config = MIXER
     print(f"| current {MIXER(192)} | {ms_per_step(model):.4f} | - |", flush=True)
 
