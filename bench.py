@@ -13,7 +13,8 @@ Sections (comma-separated; default kernel,decode):
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
-  tune_seq  the sequential kernels' warps / stages and their alternatives (--shapes=0,1 picks shapes).
+  tune_seq  the sequential kernels' value block, warps / stages and their alternatives (--shapes=0,1 picks shapes,
+          --variants=block the variants whose name holds the text).
   tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
           (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, their GPTConfig
@@ -22,7 +23,7 @@ Sections (comma-separated; default kernel,decode):
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
           and fla's GatedDeltaNet LM of this width in two head shapes (V 256: fla's kernels; V 128: FlashQLA's),
           eager and compiled (--fla_compile=0,1; by default as --compile), when flash-linear-attention imports
-          (--fla_lm=0: not).
+          (--fla_lm=0: not; --fla_v=128: the V 128 model alone).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens (--lengths), KLA against attention: latency and peak memory;
           KLA also in segments of PREFILL_SEGMENT (model.py; plain, and from model.prefill's CUDA graph of a segment);
@@ -364,14 +365,21 @@ def section_tune_seq(device, smoke):
     _prep_kernel, the pre-kernels' block. --shapes=1 picks shapes by index. A variant that faults the GPU (num_stages=1 on the sequential
     forward did, Triton 3.6) poisons the process: it exits printing RESTART_AT=<next index>, and
     `--start=<index>` goes on from there in a new process."""
-    shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64)]
+    shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64),
+                                             MODEL_HEADS, (8, 8192) + MODEL_HEADS[2:], (2, 32768) + MODEL_HEADS[2:]]
     if ARGS.get("shapes") and not smoke:
         shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
     saved = {n: getattr(kernel, n) for n in ("_seq_config", "_fwd_fuse_o", "_prep_warps", "_pre_config")}
     variants = []  # (shape, backward, name, patch)
     for shape in shapes:
-        BH, V = shape[0] * shape[2], shape[3]
+        BH, V = shape[0] * shape[2], shape[-1]
         bv0 = saved["_seq_config"](BH, V)[0]
+        for bwd in (False, True):  # value columns a program, against the grid's waves over the SMs
+            for bv in (16, 32, 64):
+                for ns in (2, 3):
+                    variants.append((shape, bwd, f"{'bwd state' if bwd else 'fwd'} value block {bv}, stages={ns}",
+                                     dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv, 4, ns), b=bwd:
+                                          c if bwd == b else saved["_seq_config"](BH, V, fp32, bwd))))
         variants.append((shape, False, "default", {}))
         for fuse in (True, False):
             for nw in (4, 8):
@@ -391,6 +399,8 @@ def section_tune_seq(device, smoke):
                 variants.append((shape, True, f"bwd state BV={bv0} warps={nw} stages={ns}",
                                  dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd
                                       else saved["_seq_config"](BH, V, fp32, bwd))))
+    if ARGS.get("variants"):  # --variants=block: only the variants whose name holds this text, and the defaults
+        variants = [v for v in variants if ARGS["variants"] in v[2] or v[2] == "default"]
     return "kernel.py sequential-kernel variants (ms, do_bench median; peak MiB)", \
         ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
 
@@ -550,7 +560,9 @@ def fla_lm_rows(shapes, device, compiled_modes):
     os.environ.pop("FLA_FLASH_QLA", None)  # fla's default: FlashQLA where it can serve the call
     rows = []
     try:
-        for expand_v, label in ((2, "fla GatedDeltaNet, V 256"), (1, "fla GatedDeltaNet, V 128 (FlashQLA)")):
+        heads = ((2, "fla GatedDeltaNet, V 256"), (1, "fla GatedDeltaNet, V 128 (FlashQLA)"))
+        picked = ARGS.get("fla_v", "256,128").split(",")  # --fla_v=128: the FlashQLA-served model alone
+        for expand_v, label in [h for h in heads if str(128 * h[0]) in picked]:
             for compiled in compiled_modes:
                 cfg = GatedDeltaNetConfig(hidden_size=768, num_hidden_layers=12, num_heads=6, head_dim=128,
                                           expand_v=expand_v, vocab_size=50304, tie_word_embeddings=True)

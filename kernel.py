@@ -742,13 +742,20 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     """(value columns per program, warps, pipeline stages) of the sequential kernels (_fwd_kernel, and
     _bwd_state_kernel when bwd). Measured on an H200 with `python bench.py --section=tune_seq`: at
     (1, 32768, 16, 128) 3 stages instead of 2 take the forward from 1.80 to 1.47 ms (4 stages the same, 8 warps
-    slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. With many
-    programs the forward, which computes the output from U itself, takes 64 value columns: 0.711 against 0.924
-    ms at 32 at (8, 4096, 16, 128) and 0.698 against 0.910 at the model's heads (`python tools/ab_kernel.py`,
-    one process, medians of 2 rounds); the backward keeps 32 (not re-tuned)."""
-    few = fp32 or _few_programs(BH, V)
-    bv = min(16 if few else (32 if bwd else 64), max(16, triton.next_power_of_2(V)))
-    return bv, 4, 3 if few and not fp32 else 2
+    slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. With few
+    programs, 16 columns while the programs fit in one wave over the 132 SMs, else 32: at (2, 32768, 6, 96 / 192)
+    (144 programs at 16, 72 at 32) the forward 1.018 against 1.472 ms, the forward + backward 4.419 against 5.194.
+    With many programs the forward, which computes the output from U itself, takes 64 value columns (0.711
+    against 0.924 ms at 32 at (8, 4096, 16, 128), `python tools/ab_kernel.py`) and 3 stages: at the model's heads
+    0.573 against 0.699 ms at (32, 2048, 6, 96 / 192), 0.749 against 0.911 at (8, 8192, 6, 96 / 192); the backward
+    32 columns and 2 stages (3 stages 1.08x / 1.05x the forward + backward there). `python bench.py
+    --section=tune_seq --variants=block --shapes=3,4,5`, results/bench_h200/tune_seq_blocks.md."""
+    if fp32:
+        return 16, 4, 2
+    if _few_programs(BH, V):
+        bv = 16 if BH * triton.cdiv(V, 16) <= 132 else 32
+        return min(bv, max(16, triton.next_power_of_2(V))), 4, 3
+    return min(32 if bwd else 64, max(16, triton.next_power_of_2(V))), 4, 2 if bwd else 3
 
 
 def _fwd_fuse_o(BH, V, save, N):

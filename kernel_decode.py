@@ -307,15 +307,21 @@ def _linear_config(N, K):
     one process (`python tools/decode_config.py`): 0.229 against 0.251 ms a token (0.911-0.925x in five
     alternating rounds, GDN 0.912-0.918x). Timed alone with each weight read from HBM (`python bench.py
     --section=tune_decode`), 2 rows were the fastest at every shape: a call's own time is not what a token of
-    dependent launches waits for. Below 264 outputs (no GPU-sized model) 16 rows a program, which keeps the
-    tests' tiny models fast in the interpreter."""
+    dependent launches waits for. A second sweep from that configuration (`python tools/decode_config.py --sweep
+    --prompt=64`, results/bench_h200/decode_config.md) moved three: the MLP's (4096, 768) to 4 rows and 1 warp,
+    the mixer's (768, 1152) to 4 rows and the MLP's (768, 2048) to 16 rows (8 warps each); together 0.2191-0.2196
+    against 0.2276-0.2282 ms a token in five alternating rounds (0.961-0.964x); lm_head kept (4 rows within 0.6 %).
+    Below 264 outputs (no GPU-sized model) 16 rows a program, which keeps the tests' tiny models fast in the
+    interpreter."""
     BK = min(triton.next_power_of_2(K), 4096)
     if N < 264:
         return 16, BK, 4
-    if N >= 4096:
+    if N >= 8192:
         return 8, BK, 4
+    if N >= 4096:
+        return 4, BK, 1
     if N <= 1024:
-        return 8, BK, 8
+        return (4 if K < 2048 else 16), BK, 8
     return 2, BK, 4 if BK <= 1024 else 8
 
 

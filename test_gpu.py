@@ -472,6 +472,10 @@ def main():
             (1, 1000, 6, 96, 192, f32, True, True, wide),
             # enough programs for the forward's many-program configuration (64 value columns) at K = V = 128
             (8, 2000, 16, 128, 128, bf16, True, True, wide),
+            # few programs at 32 value columns (12 heads of d_v 192: 144 programs at 16 would take two waves)
+            (2, 2000, 6, 96, 192, bf16, True, True, wide),
+            # many programs at K = V = 64 (the forward's 64 value columns and 3 stages)
+            (16, 1000, 8, 64, 64, bf16, True, True, wide),
         ]
         cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)

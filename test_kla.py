@@ -853,6 +853,18 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
     assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
 
 
+@pytest.mark.parametrize("bv,stages", [(16, 2), (32, 3), (64, 3)])
+def test_kernel_value_blocks_match_float64(bv, stages, monkeypatch):
+    """Each value block the sequential kernels' config picks in bf16 on a GPU (16 / 32 / 64 columns a program,
+    kernel._seq_config), here in float32 on V = 96 (the last block partly masked at 64), forward and backward."""
+    monkeypatch.setattr(kernel, "_seq_config", lambda BH, V, fp32=False, bwd=False: (bv, 4, stages))
+    inputs = make_inputs(1, 130, 2, 32, 96, norm_range=(-1, 1))
+    ref = outputs_and_grads(kla_recurrent, inputs, True)
+    out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
+    for name, a, b in zip(NAMES, out, ref):
+        assert rel_err(a, b) < 1e-4, name
+
+
 def test_kernel_edge_values():
     """eps = 0 with zero keys (no write, as the reference), eta at 0 and 1, g = 0: finite and equal to
     the float64 reference, output and every gradient; the decode step too."""
