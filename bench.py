@@ -503,7 +503,7 @@ def section_train(device, smoke):
         except Exception as err:  # fla's model failing must not stop ours
             print(f"fla LM: {type(err).__name__}: {str(err)[:300]}", flush=True)
     for compiled in compiled_modes:
-        for mixer in ARGS.get("mixers", "attn,kla,gdn,kla:recompute").split(","):  # the first is the ratios' base
+        for mixer in ARGS.get("mixers", "attn,kla,gdn,kla:recompute").split(","):  # attention first: the ratios' base
             model = opt = None
             for batch, T in shapes:
                 if device == "cuda":
@@ -526,11 +526,12 @@ def section_train(device, smoke):
                     print(rows[-1], flush=True)
                     continue
                 tok_s = batch * T / ms * 1e3
-                base.setdefault((T, compiled), tok_s)  # attention, the first of each length and mode
+                if mixer.split(":")[0] == "attn":  # the first attention row of each length and mode
+                    base.setdefault((T, compiled), tok_s)
                 mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
                 mfu = model.flops_per_token(T) * tok_s / peak if device == "cuda" else float("nan")
                 rows.append([mixer, "compiled" if compiled else "eager", T, batch, model.get_num_params() / 1e6,
-                             ms, tok_s, tok_s / base[(T, compiled)], mfu, mem, first])
+                             ms, tok_s, tok_s / base.get((T, compiled), float("nan")), mfu, mem, first])
                 print(rows[-1], flush=True)
             del model, opt, step
     for r in fla:  # its ratio to attention in the same mode

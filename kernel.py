@@ -744,12 +744,14 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     (1, 32768, 16, 128) 3 stages instead of 2 take the forward from 1.80 to 1.47 ms (4 stages the same, 8 warps
     slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. With few
     programs, 16 columns while the programs fit in one wave over the 132 SMs, else 32: at (2, 32768, 6, 96 / 192)
-    (144 programs at 16, 72 at 32) the forward 1.018 against 1.472 ms, the forward + backward 4.419 against 5.194.
-    With many programs the forward, which computes the output from U itself, takes 64 value columns (0.711
-    against 0.924 ms at 32 at (8, 4096, 16, 128), `python tools/ab_kernel.py`) and 3 stages: at the model's heads
-    0.573 against 0.699 ms at (32, 2048, 6, 96 / 192), 0.749 against 0.911 at (8, 8192, 6, 96 / 192); the backward
-    32 columns and 2 stages (3 stages 1.08x / 1.05x the forward + backward there). `python bench.py
-    --section=tune_seq --variants=block --shapes=3,4,5`, results/bench_h200/tune_seq_blocks.md."""
+    (144 programs at 16, 72 at 32) the forward 1.014 against 1.464 ms, the forward + backward 3.874 against 4.668
+    with the backward state kernel at 32 against 16. With many programs the forward, which computes the output
+    from U itself, takes 64 value columns (0.711 against 0.924 ms at 32 at (8, 4096, 16, 128), `python
+    tools/ab_kernel.py`) and 3 stages: 0.585 against 0.713 ms at 2 stages at (8, 4096, 16, 128), 0.572 against
+    0.703 at the model's heads (32, 2048, 6, 96 / 192), 0.747 against 0.914 at (8, 8192, 6, 96 / 192); the backward
+    32 columns and 2 stages (3 stages: 1.08x the forward + backward at (8, 4096, 16, 128) and at the model's heads,
+    1.05x at (8, 8192, 6, 96 / 192)). `python bench.py --section=tune_seq --variants=block`,
+    results/bench_h200/tune_seq_blocks.md (its second process)."""
     if fp32:
         return 16, 4, 2
     if _few_programs(BH, V):
