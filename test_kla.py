@@ -1171,12 +1171,13 @@ def test_fused_decode_step_is_one_graph():
             assert rel_err(a[key], b[key]) < 1e-6, key
 
 
-@pytest.mark.parametrize("N,K", [(40, 24), (7, 5000), (300, 24), (2001, 24), (4100, 24)])
+@pytest.mark.parametrize("N,K", [(40, 24), (7, 5000), (300, 24), (300, 2100), (2001, 24), (4102, 24), (8203, 24)])
 @pytest.mark.parametrize("how", ["plain", "norm", "swiglu", "norm+residual", "swiglu+residual"])
 def test_decode_linear_against_float64(N, K, how):
     """kernel_decode.decode_linear (batch-1 decoding's projections with their norm, SwiGLU and residual add) against
-    the same in float64; K = 5000 walks K in two blocks; N = 300, 2001 and 4100 take _linear_config's 8, 2 and 8
-    rows a program (the last program of 2001 and 4100 partly past the end)."""
+    the same in float64; K = 5000 walks K in two blocks; (300, 24), (300, 2100), (2001, 24), (4100, 24) and
+    (8203, 24) take _linear_config's 4, 16, 2, 4 and 8 rows a program (the last program of 2001, 4102 and 8203
+    partly past the end)."""
     torch.manual_seed(0)
     swiglu, norm, res = "swiglu" in how, "norm" in how, "residual" in how
     x = torch.randn(1, 2 * K if swiglu else K)
