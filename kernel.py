@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 C_CHUNK = 64
+SMS = 132  # streaming multiprocessors of an H100 / H200: one wave of the sequential kernels' programs
 # exp(-104) is below float32's smallest number (2^-149): a decay across a gate at or below the floor is exactly 0,
 # as for g = -inf, which is raised to it so that the cumulative sums of g stay finite (-inf - -inf is NaN)
 GATE_FLOOR = tl.constexpr(-104.)
@@ -734,8 +735,8 @@ def _prec(x):
 
 def _few_programs(BH, V):
     """True when the sequential kernels at 32 value columns a program would leave SMs of an H100 / H200 idle
-    (short batches of long sequences): they then take 16 columns, 3 pipeline stages, the split output."""
-    return BH * triton.cdiv(V, 32) < 132
+    (short batches of long sequences): they then take 16 or 32 columns and 3 pipeline stages (_seq_config)."""
+    return BH * triton.cdiv(V, 32) < SMS
 
 
 def _seq_config(BH, V, fp32=False, bwd=False):
@@ -755,7 +756,7 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     if fp32:
         return 16, 4, 2
     if _few_programs(BH, V):
-        bv = 16 if BH * triton.cdiv(V, 16) <= 132 else 32
+        bv = 16 if BH * triton.cdiv(V, 16) <= SMS else 32
         return min(bv, max(16, triton.next_power_of_2(V))), 4, 3
     return min(32 if bwd else 64, max(16, triton.next_power_of_2(V))), 4, 2 if bwd else 3
 
