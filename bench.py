@@ -613,7 +613,7 @@ def kernel_group(name):
     if name.startswith("_bwd_") and name.endswith("_kernel"):
         return "kernel.py backward"
     if name in ("_step_kernel", "_decode_mixer_kernel", "_decode_linear_kernel", "_decode_in_proj_kernel",
-                "_decode_state_kernel", "_decode_out_proj_kernel"):
+                "_decode_state_kernel", "_decode_mlp_kernel"):
         return "kernel.py / kernel_decode.py decoding"
     if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
         return "matmul (cuBLAS)"

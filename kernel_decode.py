@@ -7,10 +7,12 @@ Triton kernels for decoding the KLA (or GDN) model one token at a time: the whol
                             step, the output's RMSNorm and SiLU gate); grid (B*H).
     decode_linear           batch 1: one linear layer as a stream of its weights, with an RMSNorm or SwiGLU
                             before it and a residual add after; grid (N / BN).
-    kla_decode_mixer_split  batch 1: RMSNorm, the mixer and its output projection plus the residual as three
-                            kernels: the input projection and the short convolutions (_decode_in_proj_kernel), the
-                            state step over value blocks (_decode_state_kernel, grid (V / BV, H)), the heads'
-                            RMSNorm and gate, the output projection and the residual (_decode_out_proj_kernel).
+    kla_decode_block        batch 1: a whole block (RMSNorm, the mixer and its projections, the residual, RMSNorm,
+                            the MLP, the residual) as three kernels: the input projection and the short
+                            convolutions (_decode_in_proj_kernel); the state step over value blocks, each adding
+                            its share of the output projection atomically (_decode_state_kernel, grid (V / BV, H));
+                            the heads' RMSNorm, the residual and the MLP, each program adding its hidden units'
+                            share of the output atomically (_decode_mlp_kernel).
 
 At batch 1 the kernels are launched as programmatic dependent launches on Hopper and later (_pdl_wait).
 model.GPT decodes with them (GPT._decode_fused); its layers compute the same in PyTorch.
@@ -134,7 +136,7 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
             h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
         if NORM:
             h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
-        h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
+        h = h.to(w.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
         acc = tl.sum(wt.to(tl.float32) * h[None, :], 1)
     else:
         _pdl_wait(PDL)
@@ -156,7 +158,7 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
                 h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
             if NORM:
                 h = h * rstd * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
-            h = h.to(x.dtype.element_ty).to(tl.float32)
+            h = h.to(w.dtype.element_ty).to(tl.float32)
             acc += tl.sum(wt.to(tl.float32) * h[None, :], 1)
     if RES:
         acc = acc.to(y.dtype.element_ty).to(tl.float32) + tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
@@ -164,16 +166,17 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
 
 
 @triton.jit
-def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm_eps, HK: tl.constexpr,
+def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, zero, N, K, norm_eps, n_zero, HK: tl.constexpr,
                            HV: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BZ: tl.constexpr, PDL: tl.constexpr):
     """Batch-1 decoding, the mixer's input projection with what surrounds it, BN outputs a program (K <= BK):
     y = W (RMSNorm(x) * norm_w), then on the q, k, v channels (the first 2 HK + HV outputs) the short
     convolutions + SiLU, their buffers shifted in place (each channel is one program's), so that the state
     kernel after it can split a head's values over programs without racing on the buffers. Each output row
     finds its channel's buffer and weights by pointer (one convolution step for q, k and v rows alike), and
     they are requested with the weights, before the wait: only this kernel writes the buffers, at the
-    previous token, which completed before the kernel this one waits for started (_pdl_wait)."""
+    previous token, which completed before the kernel this one waits for started (_pdl_wait). Program 0 also
+    zeroes the n_zero floats at zero (BZ at a time: the accumulators that the block's next two kernels add into)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = rn < N
     rk = tl.arange(0, BK)
@@ -193,9 +196,13 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm
     nxt = tl.load(buf[None, :] + (rw[:, None] + 1) * C[None, :], mask=(rw[:, None] < W - 2) & conv[None, :], other=0.)
     cwt = tl.load(cw[None, :] + rw[:, None], mask=(rw[:, None] < W) & conv[None, :], other=0.).to(tl.float32)
     _pdl_wait(PDL)
+    if tl.program_id(0) == 0:
+        for z0 in range(0, n_zero, BZ):
+            rz = z0 + tl.arange(0, BZ)
+            tl.store(zero + rz, tl.zeros([BZ], dtype=tl.float32), mask=rz < n_zero)
     h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
     h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
-    h = h.to(x.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
+    h = h.to(w.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
     acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
     win = tl.where(rw[:, None] == W - 1, acc[None, :], win.to(tl.float32))  # row W - 1: the new input
     yc = tl.sum(win * cwt, 0)
@@ -207,23 +214,28 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, N, K, norm
 
 
 @triton.jit
-def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, scale, eps, H: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KACZ: tl.constexpr,
-                         PDL: tl.constexpr):
+def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, ssq, norm_w, w_o, p, D, scale, eps, H: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
+                         KACZ: tl.constexpr, PDL: tl.constexpr):
     """Batch-1 decoding, grid (V / BV, H): one token's delta-rule step on BV value columns of one head's state
     (in place), from xc = [q | k | v | gate | eta | decay], the input projection's output after its
-    convolutions: q (and for GDN k) normalised, eta, the decay, beta; o the unnormalised output, and ssq
-    (H, V / BV) the sums of squares of its BV values as o holds them (the output projection's kernel applies
-    the head's RMSNorm and gate from them)."""
+    convolutions: q (and for GDN k) normalised, eta, the decay, beta. Then these columns' share of the output
+    projection W_o (D, H V) before the head's RMSNorm, which is one scalar a head:
+        p[h] += W_o[:, cols] (o[cols] * norm_w[cols] * SiLU(gate[cols])),
+    added atomically into p (H, D) (zeroed by the input projection's kernel), and ssq (H, V / BV) the sums of
+    squares of the BV values of o, from which _decode_mlp_kernel scales each head's row of p."""
     i_v, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BK)
     rv = i_v * BV + tl.arange(0, BV)
-    mk, mv = rk < K, rv < V
+    rd = tl.arange(0, BD)
+    mk, mv, md = rk < K, rv < V, rd < D
     offs = i_h * K * V + rk[:, None] * V + rv[None, :]
     ms = mk[:, None] & mv[None, :]
-    # first: it does not depend on the rest (with PDL, before the wait: the state's last writer is this
+    # first: they do not depend on the rest (with PDL, before the wait: the state's last writer is this
     # kernel at the previous token, complete before the kernel this one waits for started: see _pdl_wait)
     S = tl.load(state + offs, mask=ms, other=0.)
+    wo = tl.load(w_o + rd[None, :] * (H * V) + (i_h * V + rv)[:, None], mask=mv[:, None] & md[None, :],
+                 other=0.)  # wo[j, n] = W_o[n, h V + v_j]
     _pdl_wait(PDL)
     q = tl.load(xc + i_h * K + rk, mask=mk, other=0.).to(tl.float32)
     k = tl.load(xc + H * K + i_h * K + rk, mask=mk, other=0.).to(tl.float32)
@@ -237,42 +249,53 @@ def _decode_state_kernel(xc, a_log, dt_bias, eta_bias, state, o, ssq, scale, eps
     beta = _beta(tl.sum(k * k, 0), eta, eps, KACZ)
     S, out = _delta_step(S, tl.exp(g), q, k, v, beta, scale)
     tl.store(state + offs, S, mask=ms)  # each element written by the thread that read it
-    out = out.to(o.dtype.element_ty)
-    tl.store(o + i_h * V + rv, out, mask=mv)
-    out = tl.where(mv, out.to(tl.float32), 0.)
+    out = tl.where(mv, out.to(xc.dtype.element_ty).to(tl.float32), 0.)  # rounded as the unfused path rounds it
     tl.store(ssq + i_h * tl.num_programs(0) + i_v, tl.sum(out * out, 0))
+    gt = tl.load(xc + 2 * H * K + H * V + i_h * V + rv, mask=mv, other=0.).to(tl.float32)
+    a = out * tl.load(norm_w + rv, mask=mv, other=0.).to(tl.float32) * gt * tl.sigmoid(gt)
+    a = a.to(w_o.dtype.element_ty).to(tl.float32)
+    tl.atomic_add(p + i_h * D + rd, tl.sum(wo.to(tl.float32) * a[:, None], 0), mask=md, sem="relaxed")
 
 
 @triton.jit
-def _decode_out_proj_kernel(o, ssq, gate, w, norm_w, res, y, N, K, norm_eps, V: tl.constexpr, NV: tl.constexpr,
-                            BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """Batch-1 decoding, the mixer's output projection with what precedes and follows it, BN outputs a
-    program (K = H V <= BK): y = W (RMSNorm of each head's V values of o * norm_w * SiLU(gate)) + res, each
-    head's mean square from the state kernel's NV partial sums ssq (H, NV)."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    mn = rn < N
-    rk = tl.arange(0, BK)
-    mk = rk < K
-    wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
+def _decode_mlp_kernel(x, p, ssq, norm_w, w_gu, w_down, z, D, F, norm_eps, o_norm_eps, H: tl.constexpr,
+                       V: tl.constexpr, NV: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    """Batch-1 decoding, grid (F / BF,): the rest of the block after the state kernel. Each program
+    forms the residual stream y = x + sum_h rstd_h p[h] (the mixer's output projection, each head's RMSNorm
+    from ssq (H, NV)), then BF of the MLP's F hidden units, a = SiLU(W_gate[f] n) * (W_up[f] n) with
+    n = RMSNorm(y) * norm_w, and adds its share W_down[:, f] a of the MLP's output atomically into z (D,),
+    float32, zeroed by the input projection's kernel; program 0 also adds y. w_gu (2 F, D) is [W_gate; W_up],
+    w_down (D, F)."""
+    rf = tl.program_id(0) * BF + tl.arange(0, BF)
+    mf = rf < F
+    rd = tl.arange(0, BD)
+    md = rd < D
+    m2 = mf[:, None] & md[None, :]
+    wg = tl.load(w_gu + rf[:, None].to(tl.int64) * D + rd[None, :], mask=m2, other=0.)
+    wu = tl.load(w_gu + (F + rf)[:, None].to(tl.int64) * D + rd[None, :], mask=m2, other=0.)
+    wd = tl.load(w_down + rd[None, :].to(tl.int64) * F + rf[:, None], mask=m2, other=0.)  # wd[j, n] = W_down[n, f_j]
     _pdl_wait(PDL)
-    h = tl.load(o + rk, mask=mk, other=0.).to(tl.float32)
-    gt = tl.load(gate + rk, mask=mk, other=0.).to(tl.float32)
-    head = rk // V
-    sumsq = tl.zeros([BK], dtype=tl.float32)
-    for j in tl.static_range(NV):  # each column's head's sum of squares: NV independent (cached) loads
-        sumsq += tl.load(ssq + head * NV + j, mask=mk, other=0.)
-    h = h / tl.sqrt(sumsq / V + norm_eps) * tl.load(norm_w + rk % V, mask=mk, other=0.).to(tl.float32) * gt * tl.sigmoid(gt)
-    h = h.to(o.dtype.element_ty).to(tl.float32)
-    acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
-    acc += tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
-    tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
+    y = tl.load(x + rd, mask=md, other=0.).to(tl.float32)
+    for h in tl.static_range(H):
+        sumsq = 0.
+        for j in tl.static_range(NV):
+            sumsq += tl.load(ssq + h * NV + j)
+        y += tl.load(p + h * D + rd, mask=md, other=0.) / tl.sqrt(sumsq / V + o_norm_eps)
+    n = y / tl.sqrt(tl.sum(y * y, 0) / D + norm_eps) * tl.load(norm_w + rd, mask=md, other=0.).to(tl.float32)
+    n = n.to(w_gu.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
+    g = tl.sum(wg.to(tl.float32) * n[None, :], 1).to(w_gu.dtype.element_ty).to(tl.float32)
+    u = tl.sum(wu.to(tl.float32) * n[None, :], 1).to(w_gu.dtype.element_ty).to(tl.float32)
+    a = (g * tl.sigmoid(g) * u).to(w_down.dtype.element_ty).to(tl.float32)
+    out = tl.sum(wd.to(tl.float32) * a[:, None], 0)
+    out += tl.where(tl.program_id(0) == 0, y, 0.)
+    tl.atomic_add(z + rd, out, mask=md, sem="relaxed")
 
 
 # -----------------------------------------------------------------------------
 # launch
 
 
-# Batch-1 decoding's kernels (decode_linear, kla_decode_mixer_split) as programmatic dependent launches on
+# Batch-1 decoding's kernels (decode_linear, kla_decode_block) as programmatic dependent launches on
 # Hopper and later (see _pdl_wait); bench.py --pdl=0 turns it off to time the difference
 DECODE_PDL = True
 
@@ -297,7 +320,9 @@ def _pdl_device(index):
 
 def _linear_config(N, K):
     """(rows a program, K block, warps) of the batch-1 decoding projections (_decode_linear_kernel and the
-    mixer's _decode_in_proj_kernel / _decode_out_proj_kernel): all of K requested at once up to 4096 columns.
+    mixer's _decode_in_proj_kernel): all of K requested at once up to 4096 columns. The model's blocks take it for
+    their input projection (3472, 768), its head for lm_head (50304, 768); the rows for (768, .) and (4096, 768) serve
+    decode_linear at the shapes of the output projection and the MLP's (measured as such in the sweeps below).
     Chosen inside the whole decoding token on an H200 (GPT-2 small, CUDA graph; `python tools/decode_config.py
     --sweep --from=2rows --prompt=64`: each projection's rows 1-16 x warps 1-8 with the others at 2 rows and 4
     warps, 8 from K = 2048, ms a token against 0.2515 for those): 8 rows and 4 warps for the wide outputs, the
@@ -330,13 +355,6 @@ def _mixer_config(V):
     with 4 warps. The head's whole state as one tile (16 warps) was slower on an H200, 14.3 against 11.8 us a call
     at batch 1 and 55 against 21 us at batch 64."""
     return min(64, max(16, triton.next_power_of_2(V))), 4
-
-
-def _state_config(V):
-    """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 32 columns, 4 warps
-    (d_v 192: 36 programs for the 6 heads). In the sweep of _linear_config, 16 or 64 columns at 1-8 warps and 32
-    at 1, 2 or 8 took 1.000-1.105x the token's time."""
-    return 32, 4
 
 
 def _check_cache(conv_q, conv_k, conv_v, state, B, H, K, V, W, dtype):
@@ -392,15 +410,16 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if swiglu else K) or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous (1, {2 * K if swiglu else K}) tensor for a weight of shape "
                          f"{(N, K)}{' with swiglu' if swiglu else ''}, got {tuple(x.shape)}")
-    if not weight.is_contiguous() or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be contiguous and of x's dtype {x.dtype}, got {weight.dtype}")
+    if not weight.is_contiguous() or (weight.dtype != x.dtype and x.dtype != torch.float32):
+        raise ValueError(f"weight must be contiguous and of x's dtype {x.dtype} (any dtype for a float32 x), got "
+                         f"{weight.dtype}")
     if norm_weight is not None and swiglu:
         raise ValueError("decode_linear takes norm_weight or swiglu, not both")
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
     if residual is not None and (tuple(residual.shape) != (1, N) or not residual.is_contiguous()):
         raise ValueError(f"residual must be a contiguous (1, {N}) tensor, got {tuple(residual.shape)}")
-    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    y = torch.empty(1, N, device=x.device, dtype=weight.dtype)
     BN, BK, warps = _linear_config(N, K)
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
@@ -409,55 +428,80 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
     return y
 
 
-def kla_decode_mixer_split(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias,
-                           eta_bias, state, o_norm_weight, o_proj_weight, *, n_head, eps=1e-6, norm_eps=1e-6,
-                           o_norm_eps=None, scale=None, kaczmarz=True):
-    """One token at batch 1 through RMSNorm, the KLA (or GDN) mixer and its output projection, plus the
-    residual: x + o_proj(mixer(RMSNorm(x) * norm1_weight)), as three kernels whose middle one splits each head's
-    values over programs: the input projection with the short convolutions after it (_decode_in_proj_kernel),
-    the state step (_decode_state_kernel, grid (V / BV, H)), the output projection with each head's RMSNorm
-    and SiLU(gate) before it and the residual after (_decode_out_proj_kernel). x (1, d); in_proj_weight
-    (>= 2 H K + 2 H V + 2 H, d), its outputs [q | k | v | gate | eta | decay | padding]; the convolution
-    buffers (1, W - 1, channels) and the state (1, H, K, V) float32 updated in place; o_proj_weight (d, H V).
-    norm_eps is the input RMSNorm's epsilon, o_norm_eps the heads' (norm_eps when None).
-    model.Block computes the same in PyTorch."""
+def _state_config(V):
+    """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 32 columns, 8 warps (d_v
+    192: 36 programs for the 6 heads). Inside the whole decoding token on an H200 (GPT-2 small, CUDA graph, as
+    `python tools/decode_config.py --sweep` times it; results/bench_h200/decode_block.md), ms a token: 32 / 8
+    0.2118-0.2121, 16 / 8 0.2102, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (the weights of the output
+    projection's share, 768 x the columns, are loaded before the wait: at 4 warps or 64 columns they crowd the
+    registers)."""
+    return 32, 8
+
+
+def _mlp_config(F):
+    """(hidden units a program, warps) of the batch-1 MLP kernel (_decode_mlp_kernel): 16 units, 8 warps (F 2048:
+    128 programs, each adding its share of the output into the 768 sums atomically). Inside the whole decoding
+    token on an H200, ms a token: 16 / 8 0.2118-0.2121, 16 / 4 0.2154, 8 / 8 0.2214, 32 / 8 0.2243, 32 / 16 0.2326,
+    8 / 4 0.2355, 4 / 4 0.2624, 64 / 16 0.3069."""
+    return 16, 8
+
+
+def kla_decode_block(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias,
+                     state, o_norm_weight, o_proj_weight, norm2_weight, gate_up_weight, down_weight, *, n_head,
+                     eps=1e-6, norm_eps=1e-6, o_norm_eps=None, scale=None, kaczmarz=True):
+    """One token at batch 1 through a whole block, x + mixer(RMSNorm(x)) then + MLP(RMSNorm(.)), as three kernels:
+    the input projection with the short convolutions after it (_decode_in_proj_kernel); the state step over value
+    blocks with each block's share of the output projection added atomically (_decode_state_kernel); the
+    heads' RMSNorm, the residual, RMSNorm and the MLP, each program BF hidden units and its share of the MLP's
+    output added atomically (_decode_mlp_kernel). x (1, d) in the weights' dtype or float32; returns the block's
+    output (1, d) in float32 (the residual stream kept in float32 between blocks). in_proj_weight
+    (>= 2 H K + 2 H V + 2 H, d), its outputs [q | k | v | gate | eta | decay | padding]; the convolution buffers
+    (1, W - 1, channels) and the state (1, H, K, V) float32, updated in place; o_proj_weight (d, H V);
+    gate_up_weight (2 F, d) ([gate; up]) and down_weight (d, F). norm_eps is the two RMSNorms' epsilon, o_norm_eps
+    the heads' (norm_eps when None). The atomic sums follow the order the programs run in, so the output can
+    differ between calls in float32 rounding. model.Block computes the same in PyTorch."""
     H = n_head
     o_norm_eps = norm_eps if o_norm_eps is None else o_norm_eps
     (HK, W), HV = w_q.shape, w_v.shape[0]
     K, V = HK // H, HV // H
-    d = x.shape[-1]
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous (1, d) tensor, got {tuple(x.shape)}")
-    for name, t in (("in_proj_weight", in_proj_weight), ("o_proj_weight", o_proj_weight)):
-        if not t.is_contiguous() or t.dtype != x.dtype:
-            raise ValueError(f"{name} must be contiguous and of x's dtype {x.dtype}, got {t.dtype}")
+    d, dt = x.shape[-1], in_proj_weight.dtype
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous() or x.dtype not in (dt, torch.float32):
+        raise ValueError(f"x must be a contiguous (1, d) tensor of the weights' dtype {dt} or float32, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    for name, t in (("o_proj_weight", o_proj_weight), ("gate_up_weight", gate_up_weight),
+                    ("down_weight", down_weight)):
+        if not t.is_contiguous() or t.dtype != dt:
+            raise ValueError(f"{name} must be contiguous and of in_proj_weight's dtype {dt}, got {t.dtype}")
     if in_proj_weight.shape[1] != d or in_proj_weight.shape[0] < 2 * HK + 2 * HV + 2 * H:
         raise ValueError(f"in_proj_weight must be (>= {2 * HK + 2 * HV + 2 * H}, {d}), got {tuple(in_proj_weight.shape)}")
     if tuple(o_proj_weight.shape) != (d, HV):
         raise ValueError(f"o_proj_weight must be ({d}, {HV}), got {tuple(o_proj_weight.shape)}")
+    F = down_weight.shape[1]
+    if tuple(down_weight.shape) != (d, F) or tuple(gate_up_weight.shape) != (2 * F, d):
+        raise ValueError(f"gate_up_weight must be (2 F, {d}) and down_weight ({d}, F), got "
+                         f"{tuple(gate_up_weight.shape)} and {tuple(down_weight.shape)}")
     if not w_q.dtype == w_k.dtype == w_v.dtype:
         raise ValueError(f"the convolution weights must share a dtype, got {w_q.dtype}, {w_k.dtype}, {w_v.dtype}")
-    _check_cache(conv_q, conv_k, conv_v, state, 1, H, K, V, W, x.dtype)
-    N, pdl = in_proj_weight.shape[0], _pdl(x)
-    xc = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    _check_cache(conv_q, conv_k, conv_v, state, 1, H, K, V, W, dt)
+    N, pdl, dev = in_proj_weight.shape[0], _pdl(x), x.device
     BN, BK, warps = _linear_config(N, d)
     if BK < d:
-        raise ValueError(f"kla_decode_mixer_split takes a width d <= 4096, got {d}")
+        raise ValueError(f"kla_decode_block takes a width d <= 4096, got {d}")
+    acc = torch.empty(H + 1, d, device=dev, dtype=torch.float32)  # p (H, d), then the block's output
+    xc = torch.empty(1, N, device=dev, dtype=dt)
     _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
         x, in_proj_weight, norm1_weight, xc, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(),
-        w_v.contiguous(), N, d, float(norm_eps), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
-        BW=max(2, triton.next_power_of_2(W)), num_warps=warps, **pdl)
-    o = torch.empty(1, HV, device=x.device, dtype=x.dtype)
+        w_v.contiguous(), acc, N, d, float(norm_eps), acc.numel(), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
+        BW=max(2, triton.next_power_of_2(W)), BZ=1024, num_warps=warps, **pdl)
     BV, warps = _state_config(V)
-    ssq = torch.empty(H, triton.cdiv(V, BV), device=x.device, dtype=torch.float32)
+    ssq = torch.empty(H, triton.cdiv(V, BV), device=dev, dtype=torch.float32)
+    BD = triton.next_power_of_2(d)
     _decode_state_kernel[(triton.cdiv(V, BV), H)](
-        xc, A_log, dt_bias, eta_bias, state, o, ssq, float(K ** -0.5 if scale is None else scale), float(eps),
-        H=H, K=K, V=V, BK=_block_k(K), BV=BV, KACZ=bool(kaczmarz), num_warps=warps, **pdl)
-    y = torch.empty(1, d, device=x.device, dtype=x.dtype)
-    BN, BK, warps = _linear_config(d, HV)
-    if BK < HV:
-        raise ValueError(f"kla_decode_mixer_split takes H V <= 4096, got {HV}")
-    _decode_out_proj_kernel[(triton.cdiv(d, BN),)](
-        o, ssq, xc[:, 2 * HK + HV:], o_proj_weight, o_norm_weight, x, y, d, HV, float(o_norm_eps), V=V,
-        NV=ssq.shape[1], BN=BN, BK=BK, num_warps=warps, **pdl)
-    return y
+        xc, A_log, dt_bias, eta_bias, state, ssq, o_norm_weight, o_proj_weight, acc, d,
+        float(K ** -0.5 if scale is None else scale), float(eps), H=H, K=K, V=V, BK=_block_k(K), BV=BV, BD=BD,
+        KACZ=bool(kaczmarz), num_warps=warps, **pdl)
+    BF, warps = _mlp_config(F)
+    _decode_mlp_kernel[(triton.cdiv(F, BF),)](
+        x, acc, ssq, norm2_weight, gate_up_weight, down_weight, acc[H:], d, F, float(norm_eps), float(o_norm_eps),
+        H=H, V=V, NV=ssq.shape[1], BF=BF, BD=BD, num_warps=warps, **pdl)
+    return acc[H:]

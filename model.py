@@ -829,22 +829,19 @@ class GPT(nn.Module):
 
     @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
     def _decode_fused_batch1(self, x, cache):
-        """Each block as five kernels: RMSNorm + the mixer's input projection + the short convolutions; the
-        state step, each head's values over several programs; the heads' RMSNorm and gate + the output
-        projection + the residual (kernel_decode.kla_decode_mixer_split); RMSNorm + the MLP's first projection;
-        SwiGLU + the MLP's second projection + the residual (kernel_decode.decode_linear). Then norm_f + lm_head
-        as one more."""
+        """Each block as three kernels (kernel_decode.kla_decode_block): RMSNorm + the mixer's input projection + the
+        short convolutions; the state step, each head's values over several programs, with their share of the output
+        projection; the heads' RMSNorm, the residual, RMSNorm and the MLP with the residual. The residual stream
+        between blocks in float32. Then norm_f + lm_head as one more (kernel_decode.decode_linear)."""
         x = x.view(1, -1)
         for block, st in zip(self.blocks, cache):
             m = block.mixer
-            x = kernel_decode.kla_decode_mixer_split(
+            x = kernel_decode.kla_decode_block(
                 x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
                 m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
-                m.o_proj.weight, n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
+                m.o_proj.weight, block.norm2.weight, block.mlp.gate_up.weight, block.mlp.down.weight,
+                n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
                 kaczmarz=m.rule == "kaczmarz")
-            h = kernel_decode.decode_linear(x, block.mlp.gate_up.weight, norm_weight=block.norm2.weight,
-                                            norm_eps=block.norm2.eps)
-            x = kernel_decode.decode_linear(h, block.mlp.down.weight, swiglu=True, residual=x)
         return kernel_decode.decode_linear(x, self.lm_head.weight, norm_weight=self.norm_f.weight,
                                            norm_eps=self.norm_f.eps).view(1, 1, -1)
 

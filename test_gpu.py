@@ -2,12 +2,13 @@
 GPU correctness of kernel.py and kernel_decode.py against the float64 references (model.kla_chunkwise and
 model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
-    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--kernels] [--model] [--paths=default,alt] [--large] [--smoke]
+    python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--kernels] [--model] [--decoding] [--paths=default,alt]
+                       [--large] [--smoke]
 --varlen runs only the cases of packed sequences (cu_seqlens; in the default run too): N sequences in a batch
 of 1, each from its own initial state, against the float64 reference run on each sequence alone; and the model
 on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
 --kernels runs the chunk cases alone (not the model's packed documents nor the decoding checks).
---model runs the fused loss's and the decoding checks alone.
+--model runs the fused loss's and the decoding checks alone; --decoding the decoding checks alone.
 --paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
 the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
@@ -156,8 +157,8 @@ def check_decode(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300, 
     """One token through GPT._decode_fused (kernel_decode.py) in a one-layer model of GPT-2-small's width (6 heads,
     d_k 96, d_v 192) after a 300-token prefill, against the same model in float64 on the recurrent reference
     path, both starting from the reference's prefill state: the logits, the new state and the three
-    convolution buffers (relative errors). At batch 1 the block runs as five kernels and the head as one
-    (kla_decode_mixer_split, decode_linear); at batch > 1, or under autocast (float32 weights), the mixer runs
+    convolution buffers (relative errors). At batch 1 the block runs as three kernels and the head as one
+    (kla_decode_block, decode_linear); at batch > 1, or under autocast (float32 weights), the mixer runs
     between the layer's projections as one kernel (kla_decode_mixer)."""
     torch.manual_seed(0)
     cfg = model.GPTConfig(n_layer=1, vocab_size=512, n_embd=width, n_head=heads, mixer=mixer, backend="triton")
@@ -384,7 +385,7 @@ def check_decoding(lines, device, gen, smoke):
                             **(dict(width=96, heads=2, prompt=70) if smoke else {}))
         ok = all(e < TOL[dtype] for e in errs.values())
         failures += not ok
-        path = "kla_decode_mixer" if B > 1 or autocast else "five kernels a block"
+        path = "kla_decode_mixer" if B > 1 or autocast else "three kernels a block"
         lines.append(f"decode B={B} {str(dtype)[6:]}{' autocast' if autocast else ''} {mixer} ({path}): "
                      + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}")
         print(lines[-1], flush=True)
@@ -482,7 +483,8 @@ def main():
     if pick:  # --cases=0,3: a subset, by position in the list above
         cases = [cases[int(i)] for i in pick.split(",")]
     model_only = "--model" in sys.argv  # the fused loss and the decoding checks alone
-    if model_only:
+    decoding_only = "--decoding" in sys.argv  # the decoding checks alone
+    if model_only or decoding_only:
         cases = []
     varlen_only = "--varlen" in sys.argv
     if varlen_only:
@@ -522,9 +524,9 @@ def main():
                   + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" {'ok' if ok else 'FAIL'}"]
         print(lines[-1], flush=True)
     kernels_only = "--kernels" in sys.argv  # the chunk cases alone
-    if not kernels_only and not model_only:
+    if not kernels_only and not model_only and not decoding_only:
         failures += check_documents(lines, device, smoke)
-    if not kernels_only:
+    if not kernels_only and not decoding_only:
         failures += check_fused_loss(lines, device, smoke)
     if not varlen_only and not kernels_only:
         failures += check_decoding(lines, device, gen, smoke)

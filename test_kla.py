@@ -1112,9 +1112,8 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel_decode.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
     Triton backend; with the fifth size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
     (the last size: a convolution of 3 in a block of 4, d_v 64 in two value blocks of the state kernel, the
-    heads' norm with an epsilon of its own)
-    as five kernels and the head as one (model.GPT._decode_fused, kernel_decode.decode_linear) against the same model decoding
-    through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
+    heads' norm with an epsilon of its own) as three kernels and the head as one (model.GPT._decode_fused,
+    kernel_decode.kla_decode_block and decode_linear) against the same model decoding through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
     buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
     size = {"conv_size": 4, **size}
@@ -1128,8 +1127,9 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
             for block in m.blocks:
                 block.mixer.o_norm.eps = 0.3
     prompt = torch.randint(0, 61, (batch, 11))
-    calls, linear = [], kernel_decode.decode_linear
-    monkeypatch.setattr(kernel_decode, "decode_linear", lambda *a, **kw: calls.append(1) or linear(*a, **kw))
+    calls, linear, block = [], kernel_decode.decode_linear, kernel_decode.kla_decode_block
+    monkeypatch.setattr(kernel_decode, "decode_linear", lambda *a, **kw: calls.append("head") or linear(*a, **kw))
+    monkeypatch.setattr(kernel_decode, "kla_decode_block", lambda *a, **kw: calls.append("block") or block(*a, **kw))
     with torch.no_grad():
         caches = [m.new_cache() for m in (fused, plain)]
         for m, c in zip((fused, plain), caches):
@@ -1141,7 +1141,7 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
-    assert len(calls) == ((2 * 2 + 1) * 5 if batch == 1 else 0)  # batch 1: the MLP's two projections in two layers, the head; five tokens
+    assert calls == (["block", "block", "head"] * 5 if batch == 1 else [])  # batch 1: two blocks, the head; five tokens
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
@@ -1201,7 +1201,7 @@ def test_decode_linear_errors_name_the_problem():
     with pytest.raises(ValueError, match="x must be"):
         kernel_decode.decode_linear(torch.zeros(1, 16), w, swiglu=True)
     with pytest.raises(ValueError, match="dtype"):
-        kernel_decode.decode_linear(torch.zeros(1, 16), w.double())
+        kernel_decode.decode_linear(torch.zeros(1, 16, dtype=torch.bfloat16), w)  # a float32 x takes any weight
     with pytest.raises(ValueError, match="norm_weight"):
         kernel_decode.decode_linear(torch.zeros(1, 16), w, norm_weight=torch.ones(8))
     with pytest.raises(ValueError, match="residual"):
@@ -1210,9 +1210,9 @@ def test_decode_linear_errors_name_the_problem():
         kernel_decode.decode_linear(torch.zeros(1, 32), w, swiglu=True, norm_weight=torch.ones(16))
 
 
-def test_split_decode_errors_name_the_tensor():
-    """kernel_decode.kla_decode_mixer_split (batch-1 decoding of norm, mixer and output projection) names what is wrong."""
-    H, K, V, W, d = 2, 16, 32, 4, 24
+def test_block_decode_errors_name_the_tensor():
+    """kernel_decode.kla_decode_block (batch-1 decoding of a whole block) names what is wrong."""
+    H, K, V, W, d, F = 2, 16, 32, 4, 24, 40
     x = torch.zeros(1, d)
     w_in, w_out = torch.zeros(2 * H * K + 2 * H * V + 2 * H, d), torch.zeros(d, H * V)
     cq, ck, cv = torch.zeros(1, W - 1, H * K), torch.zeros(1, W - 1, H * K), torch.zeros(1, W - 1, H * V)
@@ -1220,12 +1220,17 @@ def test_split_decode_errors_name_the_tensor():
     vec, state = [torch.zeros(H)] * 3, torch.zeros(1, H, K, V)
     args = lambda **kw: {**dict(x=x, norm1_weight=torch.ones(d), in_proj_weight=w_in, conv_q=cq, conv_k=ck, conv_v=cv,
                                 w_q=cw[0], w_k=cw[1], w_v=cw[2], A_log=vec[0], dt_bias=vec[1], eta_bias=vec[2],
-                                state=state, o_norm_weight=torch.ones(V), o_proj_weight=w_out), **kw}
-    for bad, match in [(dict(x=torch.zeros(2, d)), "x must"), (dict(in_proj_weight=w_in[:-1]), "in_proj_weight"),
+                                state=state, o_norm_weight=torch.ones(V), o_proj_weight=w_out,
+                                norm2_weight=torch.ones(d), gate_up_weight=torch.zeros(2 * F, d),
+                                down_weight=torch.zeros(d, F)), **kw}
+    for bad, match in [(dict(x=torch.zeros(2, d)), "x must"), (dict(x=x.double()), "x must"),
+                       (dict(in_proj_weight=w_in[:-1]), "in_proj_weight"),
                        (dict(o_proj_weight=w_out.T.contiguous()), "o_proj_weight"), (dict(conv_k=cq[:, 1:]), "conv_k"),
-                       (dict(state=state.double()), "state"), (dict(o_proj_weight=w_out.double()), "o_proj_weight")]:
+                       (dict(state=state.double()), "state"), (dict(o_proj_weight=w_out.double()), "o_proj_weight"),
+                       (dict(gate_up_weight=torch.zeros(2 * F + 1, d)), "gate_up_weight"),
+                       (dict(down_weight=torch.zeros(d, F).T.contiguous()), "gate_up_weight")]:
         with pytest.raises(ValueError, match=match):
-            kernel_decode.kla_decode_mixer_split(**args(**bad), n_head=H)
+            kernel_decode.kla_decode_block(**args(**bad), n_head=H)
 
 
 def test_fused_decode_errors_name_the_tensor():
@@ -2500,7 +2505,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fused decoding kernel ran")
-    for name in ("kla_decode_mixer", "kla_decode_mixer_split", "decode_linear"):
+    for name in ("kla_decode_mixer", "kla_decode_block", "decode_linear"):
         monkeypatch.setattr(kernel_decode, name, refuse)
     m = GPT(tiny_config("kla", backend="triton", **kw)).eval()
     m.set_backend("cpu")

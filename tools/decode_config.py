@@ -4,8 +4,9 @@ replayed from a CUDA graph (model.stream), ms a step as the median of 3 runs of 
 alone (bench.py --section=tune_decode) does not show what a chain of dependent launches waits for.
     python3 tools/decode_config.py                  kernel_decode._linear_config against 2 rows a program and 4
                                                     warps everywhere (8 from K = 2048), alternating, KLA and GDN
-    python3 tools/decode_config.py --sweep          each projection's (rows, warps) and the state kernel's
-                                                    (columns, warps), one at a time, the others as they are
+    python3 tools/decode_config.py --sweep          each projection's (rows, warps), the state kernel's
+                                                    (columns, warps) and the MLP kernel's (hidden units,
+                                                    warps), one at a time, the others as they are
                                                     (--from=2rows: the others at 2 rows everywhere), then
                                                     the fastest of each together against that, alternating
     python3 tools/decode_config.py --shared_blocks  every block with block 0's weights (after the first block they
@@ -28,10 +29,11 @@ import kernel_decode
 
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 PROMPT, ROUNDS, BATCH = int(ARGS.get("prompt", 1024)), int(ARGS.get("rounds", 5)), int(ARGS.get("batch", 1))
-LINEAR, STATE, MIXER = kernel_decode._linear_config, kernel_decode._state_config, kernel_decode._mixer_config
-# the model's projections: the mixer's input and output, the MLP's two, the head
-SHAPES = {"in_proj": (3472, 768), "o_proj": (768, 1152), "gate_up": (4096, 768), "down": (768, 2048),
-          "lm_head": (50304, 768)}
+LINEAR, STATE, MLP = kernel_decode._linear_config, kernel_decode._state_config, kernel_decode._mlp_config
+MIXER = kernel_decode._mixer_config
+# the model's projections through _linear_config: the mixer's input projection, the head (the output projection
+# and the MLP's are the state and MLP kernels')
+SHAPES = {"in_proj": (3472, 768), "lm_head": (50304, 768)}
 
 
 def two_rows(N, K):
@@ -40,8 +42,8 @@ def two_rows(N, K):
     return (16, BK, 4) if N < 264 else (2, BK, 4 if BK <= 1024 else 8)
 
 
-def use(linear=LINEAR, state=STATE):
-    kernel_decode._linear_config, kernel_decode._state_config = linear, state
+def use(linear=LINEAR, state=STATE, mlp=MLP):
+    kernel_decode._linear_config, kernel_decode._state_config, kernel_decode._mlp_config = linear, state, mlp
 
 
 def ms_per_step(model, n_new=128, runs=3):
@@ -95,15 +97,22 @@ def sweep(model):
             t = timed_row(model, f"state | columns {cols} warps {warps}", base)
             if t is not None and t < 0.99 * base and t < best.get("state", (base, None))[0]:
                 best["state"] = (t, (cols, warps))
-    state = best.pop("state", (None, STATE))[1]
+    for units in (4, 8, 16, 32, 64):
+        for warps in (4, 8, 16):
+            use(linear=start, mlp=lambda F, c=(units, warps): c)
+            t = timed_row(model, f"mlp | units {units} warps {warps}", base)
+            if t is not None and t < 0.99 * base and t < best.get("mlp", (base, None))[0]:
+                best["mlp"] = (t, (units, warps))
+    state, mlp = best.pop("state", (None, STATE))[1], best.pop("mlp", (None, MLP))[1]
     state = state if callable(state) else (lambda V, c=state: c)
+    mlp = mlp if callable(mlp) else (lambda F, c=mlp: c)
     chosen = {shape: c for shape, (t, c) in best.items()}
-    print(f"\nthe best of each together: {chosen}, state {state(192)}\n\n"
+    print(f"\nthe best of each together: {chosen}, state {state(192)}, mlp {mlp(2048)}\n\n"
           f"| round | {label} ms | best of each ms | ratio |\n|---|---|---|---|")
     for r in range(ROUNDS):
         use(linear=start)
         a = ms_per_step(model)
-        use(linear=lambda N, K: chosen.get((N, K), start(N, K)), state=state)
+        use(linear=lambda N, K: chosen.get((N, K), start(N, K)), state=state, mlp=mlp)
         b = ms_per_step(model)
         print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
     use()
