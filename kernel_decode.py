@@ -336,6 +336,9 @@ def _linear_config(N, K):
     --prompt=64`, results/bench_h200/decode_config.md) moved three: the MLP's (4096, 768) to 4 rows and 1 warp,
     the mixer's (768, 1152) to 4 rows and the MLP's (768, 2048) to 16 rows (8 warps each); together 0.2191-0.2196
     against 0.2276-0.2282 ms a token in five alternating rounds (0.961-0.964x); lm_head kept (4 rows within 0.6 %).
+    With each block as three kernels (kla_decode_block) the sweep (`python tools/decode_config.py --sweep
+    --prompt=64`, results/bench_h200/decode_block.md) moved the input projection (3472, 768) from 2 rows and 4 warps
+    to 8 rows and 1 warp: 0.2024-0.2034 against 0.2127-0.2133 ms a token in five alternating rounds (0.951-0.955x).
     Below 264 outputs (no GPU-sized model) 16 rows a program, which keeps the tests' tiny models fast in the
     interpreter."""
     BK = min(triton.next_power_of_2(K), 4096)
@@ -347,7 +350,7 @@ def _linear_config(N, K):
         return 4, BK, 1
     if N <= 1024:
         return (4 if K < 2048 else 16), BK, 8
-    return 2, BK, 4 if BK <= 1024 else 8
+    return (8, BK, 1) if BK <= 1024 else (2, BK, 8)
 
 
 def _mixer_config(V):
@@ -429,20 +432,22 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, r
 
 
 def _state_config(V):
-    """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 32 columns, 8 warps (d_v
-    192: 36 programs for the 6 heads). Inside the whole decoding token on an H200 (GPT-2 small, CUDA graph, as
-    `python tools/decode_config.py --sweep` times it; results/bench_h200/decode_block.md), ms a token: 32 / 8
-    0.2118-0.2121, 16 / 8 0.2102, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (the weights of the output
+    """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 16 columns, 8 warps (d_v
+    192: 72 programs for the 6 heads). Inside the whole decoding token on an H200 (GPT-2 small, CUDA graph, as
+    `python tools/decode_config.py --sweep` times it; results/bench_h200/decode_block.md), ms a token: 16 / 8
+    0.2102, 32 / 8 0.2118-0.2121, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (the weights of the output
     projection's share, 768 x the columns, are loaded before the wait: at 4 warps or 64 columns they crowd the
-    registers)."""
-    return 32, 8
+    registers); in the sweep from the final configuration, 16 / 8 0.2129, 32 / 8 0.2145, 16 / 4 0.2155, 64 / 8 0.2461
+    against 0.2126-0.2128 for the configuration as it stood."""
+    return 16, 8
 
 
 def _mlp_config(F):
     """(hidden units a program, warps) of the batch-1 MLP kernel (_decode_mlp_kernel): 16 units, 8 warps (F 2048:
     128 programs, each adding its share of the output into the 768 sums atomically). Inside the whole decoding
     token on an H200, ms a token: 16 / 8 0.2118-0.2121, 16 / 4 0.2154, 8 / 8 0.2214, 32 / 8 0.2243, 32 / 16 0.2326,
-    8 / 4 0.2355, 4 / 4 0.2624, 64 / 16 0.3069."""
+    8 / 4 0.2355, 4 / 4 0.2624, 64 / 16 0.3069; in the sweep of results/bench_h200/decode_block.md's second process
+    16 / 8 0.2122, 16 / 16 0.2127, 32 / 8 0.2287, 8 / 8 0.2313 against 0.2126-0.2128."""
     return 16, 8
 
 

@@ -1176,7 +1176,7 @@ def test_fused_decode_step_is_one_graph():
 def test_decode_linear_against_float64(N, K, how):
     """kernel_decode.decode_linear (batch-1 decoding's projections with their norm, SwiGLU and residual add) against
     the same in float64; K = 5000 walks K in two blocks; (300, 24), (300, 2100), (2001, 24), (4102, 24) and
-    (8203, 24) take _linear_config's 4, 16, 2, 4 and 8 rows a program (the last program of 2001, 4102 and 8203
+    (8203, 24) take _linear_config's 4, 16, 8, 4 and 8 rows a program (the last program of 2001, 4102 and 8203
     partly past the end)."""
     torch.manual_seed(0)
     swiglu, norm, res = "swiglu" in how, "norm" in how, "residual" in how
