@@ -407,8 +407,8 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
 def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None):
     """One token's linear layer as one kernel, for decoding at batch 1: y = h W^T (+ residual), where h is
     x, or RMSNorm(x) * norm_weight (norm_weight given), or SiLU(a) * b for x = [a | b] (swiglu). x (1, K),
-    or (1, 2 K) with swiglu; weight (N, K) as nn.Linear holds it; residual (1, N). Returns (1, N) in x's
-    dtype. model.GPT decodes with it at batch 1 (a norm, a projection and a residual add each a kernel otherwise)."""
+    or (1, 2 K) with swiglu, in weight's dtype or float32; weight (N, K) as nn.Linear holds it; residual (1, N).
+    Returns (1, N) in weight's dtype. model.GPT decodes its head with it at batch 1 (norm_f and lm_head)."""
     N, K = weight.shape
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if swiglu else K) or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous (1, {2 * K if swiglu else K}) tensor for a weight of shape "
@@ -437,8 +437,8 @@ def _state_config(V):
     `python tools/decode_config.py --sweep` times it; results/bench_h200/decode_block.md), ms a token: 16 / 8
     0.2102, 32 / 8 0.2118-0.2121, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (the weights of the output
     projection's share, 768 x the columns, are loaded before the wait: at 4 warps or 64 columns they crowd the
-    registers); in the sweep from the final configuration, 16 / 8 0.2129, 32 / 8 0.2145, 16 / 4 0.2155, 64 / 8 0.2461
-    against 0.2126-0.2128 for the configuration as it stood."""
+    registers); in the sweep of the file's second process 16 / 8 0.2129, 32 / 8 0.2145, 16 / 4 0.2155, 64 / 8 0.2461
+    against 0.2126-0.2128 with every kernel at its default there."""
     return 16, 8
 
 
@@ -446,8 +446,8 @@ def _mlp_config(F):
     """(hidden units a program, warps) of the batch-1 MLP kernel (_decode_mlp_kernel): 16 units, 8 warps (F 2048:
     128 programs, each adding its share of the output into the 768 sums atomically). Inside the whole decoding
     token on an H200, ms a token: 16 / 8 0.2118-0.2121, 16 / 4 0.2154, 8 / 8 0.2214, 32 / 8 0.2243, 32 / 16 0.2326,
-    8 / 4 0.2355, 4 / 4 0.2624, 64 / 16 0.3069; in the sweep of results/bench_h200/decode_block.md's second process
-    16 / 8 0.2122, 16 / 16 0.2127, 32 / 8 0.2287, 8 / 8 0.2313 against 0.2126-0.2128."""
+    8 / 4 0.2355, 4 / 4 0.2624, 64 / 16 0.3069 (results/bench_h200/decode_block.md); in the sweep of the file's second
+    process 16 / 8 0.2122, 16 / 16 0.2127, 32 / 8 0.2287, 8 / 8 0.2313 against 0.2126-0.2128."""
     return 16, 8
 
 
@@ -473,8 +473,8 @@ def kla_decode_block(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_
     if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous() or x.dtype not in (dt, torch.float32):
         raise ValueError(f"x must be a contiguous (1, d) tensor of the weights' dtype {dt} or float32, got "
                          f"{x.dtype} {tuple(x.shape)}")
-    for name, t in (("o_proj_weight", o_proj_weight), ("gate_up_weight", gate_up_weight),
-                    ("down_weight", down_weight)):
+    for name, t in (("in_proj_weight", in_proj_weight), ("o_proj_weight", o_proj_weight),
+                    ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         if not t.is_contiguous() or t.dtype != dt:
             raise ValueError(f"{name} must be contiguous and of in_proj_weight's dtype {dt}, got {t.dtype}")
     if in_proj_weight.shape[1] != d or in_proj_weight.shape[0] < 2 * HK + 2 * HV + 2 * H:

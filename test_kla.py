@@ -1194,6 +1194,16 @@ def test_decode_linear_against_float64(N, K, how):
     assert rel_err(y, want) < 1e-6
 
 
+def test_decode_linear_takes_a_float32_input_for_bf16_weights():
+    """The head of batch-1 decoding: the float32 residual stream of kla_decode_block into bf16 weights; the normalised
+    input rounded to bf16 before the product, as the unfused path rounds it; the output in the weights' dtype."""
+    torch.manual_seed(0)
+    x, w, nw = torch.randn(1, 48), (torch.randn(300, 48) / 48 ** 0.5).bfloat16(), torch.rand(48) + 0.5
+    y = kernel_decode.decode_linear(x, w, norm_weight=nw, norm_eps=1e-5)
+    h = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()).bfloat16()
+    assert y.dtype == torch.bfloat16 and rel_err(y, h.double() @ w.double().T) < 1e-2
+
+
 def test_decode_linear_errors_name_the_problem():
     w = torch.zeros(8, 16)
     with pytest.raises(ValueError, match="x must be"):
