@@ -435,9 +435,9 @@ def _state_config(V):
     """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 16 columns, 8 warps (d_v
     192: 72 programs for the 6 heads). Inside the whole decoding token on an H200 (GPT-2 small, CUDA graph, as
     `python tools/decode_config.py --sweep` times it; results/bench_h200/decode_block.md), ms a token: 16 / 8
-    0.2102, 32 / 8 0.2118-0.2121, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (the weights of the output
-    projection's share, 768 x the columns, are loaded before the wait: at 4 warps or 64 columns they crowd the
-    registers); in the sweep of the file's second process 16 / 8 0.2129, 32 / 8 0.2145, 16 / 4 0.2155, 64 / 8 0.2461
+    0.2102, 32 / 8 0.2118-0.2121, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (not profiled: the output projection's
+    share, 768 x the columns of weights, is held in registers from before the wait, more of them a thread at 4 warps
+    or 64 columns); in the sweep of the file's second process 16 / 8 0.2129, 32 / 8 0.2145, 16 / 4 0.2155, 64 / 8 0.2461
     against 0.2126-0.2128 with every kernel at its default there."""
     return 16, 8
 
