@@ -5,8 +5,8 @@ Triton kernels for decoding the KLA (or GDN) model one token at a time: the whol
     kla_decode_mixer        one kernel for any batch: the mixer between its input and output projections (the
                             short convolutions, the norms of q (and for GDN k), eta, the decay, beta, the state
                             step, the output's RMSNorm and SiLU gate); grid (B*H).
-    decode_linear           batch 1: one linear layer as a stream of its weights, with an RMSNorm or SwiGLU
-                            before it and a residual add after; grid (N / BN).
+    decode_linear           batch 1: one linear layer as a stream of its weights, with an RMSNorm before it
+                            (the head); grid (N / BN).
     kla_decode_block        batch 1: a whole block (RMSNorm, the mixer and its projections, the residual, RMSNorm,
                             the MLP, the residual) as three kernels: the input projection and the short
                             convolutions (_decode_in_proj_kernel); the state step over value blocks, each adding
@@ -115,15 +115,14 @@ def _decode_mixer_kernel(xp, cq, ckk, cvv, wq, wk, wv, a_log, dt_bias, eta_bias,
 
 
 @triton.jit
-def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-                          RES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr,
-                          PDL: tl.constexpr):
-    """y = W h (+ res) for one token, BN outputs a program: W (N, K) row-major (nn.Linear's weight); h is x,
-    or RMSNorm(x) * norm_w (NORM), or SiLU(x[:K]) * x[K:] (SWIGLU). At batch 1 the product is a stream of
-    the weights: with K <= BK (ONE) each program requests its rows whole, before anything else, so that
-    their latency overlaps the input's; else it walks K in blocks of BK. PDL (launched as a programmatic
-    dependent launch): the weights, which no kernel writes, are requested before waiting for the previous
-    kernel (_pdl_wait), so that they stream in while it finishes."""
+def _decode_linear_kernel(x, w, y, norm_w, N, K, norm_eps, NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          ONE: tl.constexpr, PDL: tl.constexpr):
+    """y = W h for one token, BN outputs a program: W (N, K) row-major (nn.Linear's weight); h is x, or
+    RMSNorm(x) * norm_w (NORM). At batch 1 the product is a stream of the weights: with K <= BK (ONE) each
+    program requests its rows whole, before anything else, so that their latency overlaps the input's; else it
+    walks K in blocks of BK. PDL (launched as a programmatic dependent launch): the weights, which no kernel
+    writes, are requested before waiting for the previous kernel (_pdl_wait), so that they stream in while it
+    finishes."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     mn = rn < N
     if ONE:
@@ -132,8 +131,6 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
         wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
         _pdl_wait(PDL)
         h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
-        if SWIGLU:
-            h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
         if NORM:
             h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
         h = h.to(w.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
@@ -154,14 +151,10 @@ def _decode_linear_kernel(x, w, y, norm_w, res, N, K, norm_eps, NORM: tl.constex
             mk = rk < K
             wt = tl.load(w + rn[:, None].to(tl.int64) * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.)
             h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
-            if SWIGLU:
-                h = h * tl.sigmoid(h) * tl.load(x + K + rk, mask=mk, other=0.).to(tl.float32)
             if NORM:
                 h = h * rstd * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
             h = h.to(w.dtype.element_ty).to(tl.float32)
             acc += tl.sum(wt.to(tl.float32) * h[None, :], 1)
-    if RES:
-        acc = acc.to(y.dtype.element_ty).to(tl.float32) + tl.load(res + rn, mask=mn, other=0.).to(tl.float32)
     tl.store(y + rn, acc.to(y.dtype.element_ty), mask=mn)
 
 
@@ -404,30 +397,25 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
     return out
 
 
-def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6, swiglu=False, residual=None):
-    """One token's linear layer as one kernel, for decoding at batch 1: y = h W^T (+ residual), where h is
-    x, or RMSNorm(x) * norm_weight (norm_weight given), or SiLU(a) * b for x = [a | b] (swiglu). x (1, K),
-    or (1, 2 K) with swiglu, in weight's dtype or float32; weight (N, K) as nn.Linear holds it; residual (1, N).
-    Returns (1, N) in weight's dtype. model.GPT decodes its head with it at batch 1 (norm_f and lm_head)."""
+def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6):
+    """One token's linear layer as one kernel, for decoding at batch 1: y = h W^T, where h is x, or
+    RMSNorm(x) * norm_weight (norm_weight given). x (1, K) in weight's dtype or float32; weight (N, K) as
+    nn.Linear holds it. Returns (1, N) in weight's dtype. model.GPT decodes its head with it at batch 1
+    (norm_f and lm_head)."""
     N, K = weight.shape
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * K if swiglu else K) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous (1, {2 * K if swiglu else K}) tensor for a weight of shape "
-                         f"{(N, K)}{' with swiglu' if swiglu else ''}, got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != K or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous (1, {K}) tensor for a weight of shape {(N, K)}, got "
+                         f"{tuple(x.shape)}")
     if not weight.is_contiguous() or (weight.dtype != x.dtype and x.dtype != torch.float32):
         raise ValueError(f"weight must be contiguous and of x's dtype {x.dtype} (any dtype for a float32 x), got "
                          f"{weight.dtype}")
-    if norm_weight is not None and swiglu:
-        raise ValueError("decode_linear takes norm_weight or swiglu, not both")
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
-    if residual is not None and (tuple(residual.shape) != (1, N) or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous (1, {N}) tensor, got {tuple(residual.shape)}")
     y = torch.empty(1, N, device=x.device, dtype=weight.dtype)
     BN, BK, warps = _linear_config(N, K)
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
-        x, weight, y, x if norm_weight is None else norm_weight, x if residual is None else residual, N, K,
-        float(norm_eps), NORM=norm_weight is not None, SWIGLU=bool(swiglu), RES=residual is not None, BN=BN, BK=BK,
-        ONE=K <= BK, num_warps=warps, **_pdl(x))
+        x, weight, y, x if norm_weight is None else norm_weight, N, K, float(norm_eps),
+        NORM=norm_weight is not None, BN=BN, BK=BK, ONE=K <= BK, num_warps=warps, **_pdl(x))
     return y
 
 
