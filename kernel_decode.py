@@ -194,9 +194,10 @@ def _decode_in_proj_kernel(x, w, norm_w, y, cq, ckk, cvv, wq, wk, wv, zero, N, K
             rz = z0 + tl.arange(0, BZ)
             tl.store(zero + rz, tl.zeros([BZ], dtype=tl.float32), mask=rz < n_zero)
     h = tl.load(x + rk, mask=mk, other=0.).to(tl.float32)
-    h = h / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps) * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
-    h = h.to(w.dtype.element_ty).to(tl.float32)  # rounded as the unfused path rounds it
-    acc = tl.sum(wt.to(tl.float32) * h[None, :], 1).to(y.dtype.element_ty).to(tl.float32)
+    # RMSNorm's scale after the product, so that the sum of squares and the product reduce at once
+    hw = h * tl.load(norm_w + rk, mask=mk, other=0.).to(tl.float32)
+    acc = tl.sum(wt.to(tl.float32) * hw[None, :], 1) / tl.sqrt(tl.sum(h * h, 0) / K + norm_eps)
+    acc = acc.to(y.dtype.element_ty).to(tl.float32)
     win = tl.where(rw[:, None] == W - 1, acc[None, :], win.to(tl.float32))  # row W - 1: the new input
     yc = tl.sum(win * cwt, 0)
     nxt = tl.where(rw[:, None] == W - 2, acc[None, :].to(nxt.dtype), nxt)  # the window shifted by one row

@@ -329,7 +329,7 @@ class GPTConfig:
     chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
     backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
     decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel,
-                               # and at batch 1 the whole block as five (GPT._decode_fused)
+                               # and at batch 1 the whole block as three (GPT._decode_fused)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
@@ -901,20 +901,26 @@ class GPT(nn.Module):
             logits = self.prefill_packed(idx, cache)
         else:
             logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk, cuda_graph)
-        step = self.decode_step(cache, logits.shape[0], cuda_graph) if max_new_tokens > 1 else None
+        greedy = temperature == 0
+        step = self.decode_step(cache, logits.shape[0], cuda_graph, greedy=greedy) if max_new_tokens > 1 else None
+        idx_next = None
         for i in range(max_new_tokens):
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                idx_next = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            if not greedy or i == 0:
+                logits = logits[:, -1, :].float()
+                if temperature == 0:
+                    idx_next = logits.argmax(-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                        logits[logits < v[:, [-1]]] = -float("inf")
+                    idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             yield idx_next
             if i + 1 < max_new_tokens:
-                logits = step(idx_next)
+                if greedy:  # the step returns the next token itself
+                    idx_next = step(idx_next)
+                else:
+                    logits = step(idx_next)
 
     @torch.no_grad()
     def prefill(self, idx, cache, segment, cuda_graph=False):
@@ -958,12 +964,16 @@ class GPT(nn.Module):
         cu_seqlens = lens.cumsum(0).to(device=prompts[0].device, dtype=torch.int32)
         return self(torch.cat(prompts)[None], cache=cache, cu_seqlens=cu_seqlens)[0]
 
-    def decode_step(self, cache, batch, cuda_graph=False, length=1):
-        """A function tokens (B, length) -> logits (B, 1, vocab) that advances cache by length tokens. With
-        cuda_graph, the state lives in fixed buffers updated in place (the forward's new state is copied
-        back into them), so that the step is captured once and replayed (on CUDA; elsewhere the same
-        in-place step runs directly)."""
+    def decode_step(self, cache, batch, cuda_graph=False, length=1, greedy=False):
+        """A function tokens (B, length) -> logits (B, 1, vocab) that advances cache by length tokens; greedy: ->
+        the next token (B, 1), the argmax of those logits. With cuda_graph, the state lives in fixed buffers
+        updated in place (the forward's new state is copied back into them), so that the step is captured once
+        and replayed (on CUDA; elsewhere the same in-place step runs directly); greedy, the argmax is part of
+        the graph, which writes it into its own input, so that passing back the token it returned copies
+        nothing."""
         if not cuda_graph:
+            if greedy:
+                return lambda tok: self(tok, cache=cache)[0][:, -1].argmax(-1, keepdim=True)
             return lambda tok: self(tok, cache=cache)[0]
         if self.config.mixer == "attn":
             raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
@@ -977,6 +987,8 @@ class GPT(nn.Module):
                     buf.copy_(fresh[key])
             return logits
         if tok.device.type != "cuda":  # no graphs: the same in-place step, run directly
+            if greedy:
+                return lambda token: (tok.copy_(token), step())[1][:, -1].argmax(-1, keepdim=True)
             return lambda token: (tok.copy_(token), step())[1]
         saved = [{key: buf.clone() for key, buf in c.items()} for c in cache]
         side = torch.cuda.Stream()  # warm up (compiles the kernels) outside the graph, as CUDA graphs need
@@ -990,11 +1002,18 @@ class GPT(nn.Module):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = step()
+            if greedy:
+                tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        last = [None]  # the token the greedy graph returned last, which tok still holds
 
         def replay(token):
-            tok.copy_(token)
+            if token is not last[0]:
+                tok.copy_(token)
             graph.replay()
-            return logits
+            if not greedy:
+                return logits
+            last[0] = tok.clone()
+            return last[0]
         return replay
 
     @torch.no_grad()

@@ -560,6 +560,30 @@ def test_in_place_decoding_step(mixer):
         list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
+    """decode_step(greedy=True) (what stream takes at temperature 0; on CUDA the argmax inside the captured graph)
+    returns the argmax of the logits that the plain step gives from the same cache, token after token, also when
+    the token it returned is passed back; and the sampled path (temperature > 0) still draws from the logits."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config("kla")).eval()
+    prompt = torch.randint(0, 61, (3, 10))
+    with torch.no_grad():
+        c1, c2 = m.new_cache(), m.new_cache()
+        for c in (c1, c2):
+            m.prefill(prompt, c, 16)
+        greedy, plain = m.decode_step(c1, 3, cuda_graph, greedy=True), m.decode_step(c2, 3, cuda_graph)
+        tok = torch.randint(0, 61, (3, 1))
+        for _ in range(6):
+            want = plain(tok)[:, -1].argmax(-1, keepdim=True)
+            got = greedy(tok)
+            assert got.shape == (3, 1) and torch.equal(got, want)
+            tok = got
+    torch.manual_seed(1)
+    sampled = torch.cat(list(m.stream(prompt, 20, temperature=5.0, cuda_graph=cuda_graph)), 1)
+    assert sampled.shape == (3, 20) and not torch.equal(sampled, torch.cat(list(m.stream(prompt, 20, temperature=0)), 1))
+
+
 @pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("gdn", "chunkwise"), ("kla", "recurrent"),
                                            ("kla", "triton")])
 def test_packed_prompts_decode_as_each_alone(mixer, backend):
