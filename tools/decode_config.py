@@ -11,6 +11,8 @@ alone (bench.py --section=tune_decode) does not show what a chain of dependent l
                                                     the fastest of each together against that, alternating
     python3 tools/decode_config.py --shared_blocks  every block with block 0's weights (after the first block they
                                                     are in the L2 cache): what weights in L2 would give at most
+    python3 tools/decode_config.py --head_share     lm_head cut to its first eighth of rows against the whole: the
+                                                    head's share of the token
     python3 tools/decode_config.py --batch=64       the one-kernel mixer's (columns a step, warps) at batch 64,
                                                     the model compiled as one graph (bench.py --compile_infer=1)
 --prompt=1024 (the prompt before the timed steps), --rounds=5. Prints markdown tables, ms a decoding step.
@@ -136,10 +138,24 @@ def main():
           f"prompt {PROMPT}, batch {BATCH}\n")
     if BATCH > 1:
         return sweep_mixer(bench.eval_model("kla", "cuda", False, True)[0])
-    for mixer in ("kla",) if "--sweep" in sys.argv or "--shared_blocks" in sys.argv else ("kla", "gdn"):
+    one = any(f in sys.argv for f in ("--sweep", "--shared_blocks", "--head_share"))
+    for mixer in ("kla",) if one else ("kla", "gdn"):
         model = bench.eval_model(mixer, "cuda", False)[0]
         if "--sweep" in sys.argv:
             sweep(model)
+            continue
+        if "--head_share" in sys.argv:
+            full = model.lm_head.weight
+            cut = torch.nn.Parameter(full.data[:full.shape[0] // 8].clone())
+            print(f"| round | lm_head of {full.shape[0]} rows ms | of {cut.shape[0]} rows ms | difference / (7 / 8) |\n"
+                  "|---|---|---|---|")
+            for r in range(ROUNDS):
+                model.lm_head.weight = full
+                a = ms_per_step(model)
+                model.lm_head.weight = cut
+                b = ms_per_step(model)
+                print(f"| {r} | {a:.4f} | {b:.4f} | {(a - b) * 8 / 7:.4f} |", flush=True)
+            model.lm_head.weight = full
             continue
         if "--shared_blocks" in sys.argv:
             blocks = model.blocks
