@@ -3,6 +3,11 @@ Registers and spills of kernel.py's kernels for sm_90 without a GPU (Triton 3.9 
 ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
     python tools/ptxas_report.py [--fp32] [NAME ...]   (substrings of the kernel labels below; default: all)
 Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory.
+    python tools/ptxas_report.py --wgmma
+The sequential kernels' PTX at their configurations (bf16, K = V = 128): the asynchronous tensor-core products
+(wgmma.mma_async) and the waits for them (wgmma.wait_group N: wait until at most N groups are in flight), which
+say how many products of a chunk's step run one after another. With PYTHONPATH at another Triton (e.g. a
+Triton 3.6 installed with pip --target), that Triton's PTX.
 """
 import os
 import re
@@ -21,10 +26,11 @@ import kernel
 FP32_ARGS = {"sa", "qdp", "bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef", "scratch", "dbl",
              "dh0", "dht", "h0", "ht", "s_in", "s_out"}
 INT_ARGS = {"T", "H", "Tp"}
+INT_PTR_ARGS = {"cu", "cs", "order", "cr"}
 FLT_ARGS = {"scale", "eps"}
 
 
-def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
+def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1, ptx_only=False):
     sig = {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -35,11 +41,15 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
             sig[name] = "fp32"
         elif name in FP32_ARGS:
             sig[name] = "*fp32"
+        elif name in INT_PTR_ARGS:
+            sig[name] = "*i32"
         else:
             sig[name] = "*" + dtype
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
                                                                         "num_stages": num_stages})
+    if ptx_only:
+        return ck.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
@@ -76,8 +86,30 @@ def configs(K, fp32=False):
     return out
 
 
+def wgmma_report():
+    """The products and waits in the PTX of _fwd_kernel (output inside, with few and with many programs) and
+    _bwd_state_kernel, at the value columns and stages kernel._seq_config gives them."""
+    base = dict(K=128, V=128, C=64, BK=128, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
+    fwd = dict(USE_H0=False, STORE_HT=False, SAVE_H=False, FUSE_O=True)
+    bwd = dict(USE_DHT=False, STORE_DH0=False)
+    print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128")
+    for name, fn, extra, BH, is_bwd in (("_fwd_kernel, 16 heads at batch 1", kernel._fwd_kernel, fwd, 16, False),
+                                        ("_fwd_kernel, 128 sequence-heads", kernel._fwd_kernel, fwd, 128, False),
+                                        ("_bwd_state_kernel, 16 heads at batch 1", kernel._bwd_state_kernel, bwd, 16, True),
+                                        ("_bwd_state_kernel, 128 sequence-heads", kernel._bwd_state_kernel, bwd, 128,
+                                         True)):
+        BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
+        ptx = compile_report(fn, dict(base, BV=BV, **extra), nw, num_stages=ns, ptx_only=True)
+        waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
+        print(f"{name} (BV {BV}, {nw} warps, {ns} stages): {ptx.count('wgmma.mma_async')} wgmma.mma_async, "
+              f"waits {waits}", flush=True)
+
+
 def main():
-    """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs."""
+    """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs;
+    --wgmma for the sequential kernels' products and waits instead."""
+    if "--wgmma" in sys.argv:
+        return wgmma_report()
     fp32 = "--fp32" in sys.argv
     sel = [a for a in sys.argv[1:] if a != "--fp32"]
     for K in (128, 64):
