@@ -903,7 +903,6 @@ class GPT(nn.Module):
             logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk, cuda_graph)
         greedy = temperature == 0
         step = self.decode_step(cache, logits.shape[0], cuda_graph, greedy=greedy) if max_new_tokens > 1 else None
-        idx_next = None
         for i in range(max_new_tokens):
             if not greedy or i == 0:
                 logits = logits[:, -1, :].float()
@@ -971,10 +970,9 @@ class GPT(nn.Module):
         and replayed (on CUDA; elsewhere the same in-place step runs directly); greedy, the argmax is part of
         the graph, which writes it into its own input, so that passing back the token it returned copies
         nothing."""
+        out = (lambda logits: logits[:, -1].argmax(-1, keepdim=True)) if greedy else (lambda logits: logits)
         if not cuda_graph:
-            if greedy:
-                return lambda tok: self(tok, cache=cache)[0][:, -1].argmax(-1, keepdim=True)
-            return lambda tok: self(tok, cache=cache)[0]
+            return lambda tok: out(self(tok, cache=cache)[0])
         if self.config.mixer == "attn":
             raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
         tok = torch.zeros(batch, length, dtype=torch.long, device=self.wte.weight.device)
@@ -987,9 +985,7 @@ class GPT(nn.Module):
                     buf.copy_(fresh[key])
             return logits
         if tok.device.type != "cuda":  # no graphs: the same in-place step, run directly
-            if greedy:
-                return lambda token: (tok.copy_(token), step())[1][:, -1].argmax(-1, keepdim=True)
-            return lambda token: (tok.copy_(token), step())[1]
+            return lambda token: (tok.copy_(token), out(step()))[1]
         saved = [{key: buf.clone() for key, buf in c.items()} for c in cache]
         side = torch.cuda.Stream()  # warm up (compiles the kernels) outside the graph, as CUDA graphs need
         side.wait_stream(torch.cuda.current_stream())
@@ -1003,7 +999,7 @@ class GPT(nn.Module):
         with torch.cuda.graph(graph):
             logits = step()
             if greedy:
-                tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+                tok.copy_(out(logits))
         last = [None]  # the token the greedy graph returned last, which tok still holds
 
         def replay(token):
