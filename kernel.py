@@ -372,7 +372,12 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cu, cs, orde
                       DT: tl.constexpr):
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn.
-    VARLEN (as _fwd_kernel): each program walks back over its own sequence's chunks."""
+    VARLEN (as _fwd_kernel): each program walks back over its own sequence's chunks.
+    Every load of a step is issued stages ahead (cp.async), which Triton 3.6 does only for loads that feed a
+    product's operands: dV0 enters as dV0 - Wd (-dS1), since dV0 + Wd dS1 becomes the product's accumulator,
+    loaded synchronously; b_C, a scalar, is loaded a step ahead by hand. On an H200 forward + backward at
+    (1, 32768, 16, 128) 3.965 -> 3.490 ms, 0.97x at the many-program shapes (`python tools/ab_kernel.py`,
+    results/bench_h200/bwd_state_loads.md; `python tools/ptxas_report.py --loops` lists each loop's loads)."""
     i_v = tl.program_id(0)
     N = Tp // C
     i_p, i_bh, n0, n1, xb, xe = _seq_program(cu, cs, order, H, N, T, C, VARLEN)
@@ -384,22 +389,24 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cu, cs, orde
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         dS += _ld(dht + i_p * K * V, ck, cv, K, V, V, 1).to(tl.float32)
+    blC = tl.load(bl_ptr + i_bh * Tp + n1 * C - 1, mask=n1 > n0, other=0.0)  # b_C of the last chunk
     for n in range(n1 - 1, n0 - 1, -1):
         t0 = n * C
         rt, rx = t0 + r, xb + t0 + r  # rows of the chunk buffers, token rows
+        blC_next = tl.load(bl_ptr + i_bh * Tp + t0 - 1, mask=n > n0, other=0.0)  # b_C of chunk n - 1
         _st(dhs + (i_bh * N + n) * K * V, ck, cv, K, V, V, 1, dS)
         bwd = _ld(wd + i_bh * Tp * K, rt, ck, Tp, K, K, 1).to(dt)
         bdv = _ld(dv0 + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(tl.float32)
         bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
         bl = tl.load(bl_ptr + i_bh * Tp + rt)
-        blC = tl.load(bl_ptr + i_bh * Tp + t0 + C - 1)
         eb = tl.exp2(bl)
-        dVn = bdv + tl.dot(bwd, dS.to(dt), input_precision=PREC)
+        dVn = bdv - tl.dot(bwd, (-dS).to(dt), input_precision=PREC)  # not dV0 + Wd dS1: see the docstring
         _st(dv + v_off, rx, cv, xe, V, H * V, 1, dVn)
         bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
         bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
         dS = tl.exp2(blC) * dS + tl.dot(tl.trans(bq), (bdo * (scale * eb)[:, None]).to(dt), input_precision=PREC)
         dS -= tl.dot(tl.trans(bk), (dVn * eb[:, None]).to(dt), input_precision=PREC)
+        blC = blC_next
     if STORE_DH0:
         _st(dh0 + i_p * K * V, ck, cv, K, V, V, 1, dS)
 
@@ -749,16 +756,17 @@ def _seq_config(BH, V, fp32=False, bwd=False):
     with the backward state kernel at 32 against 16. With many programs the forward, which computes the output
     from U itself, takes 64 value columns (0.711 against 0.924 ms at 32 at (8, 4096, 16, 128), `python
     tools/ab_kernel.py`) and 3 stages: 0.585 against 0.713 ms at 2 stages at (8, 4096, 16, 128), 0.572 against
-    0.703 at the model's heads (32, 2048, 6, 96 / 192), 0.747 against 0.914 at (8, 8192, 6, 96 / 192); the backward
-    32 columns and 2 stages (3 stages: 1.08x the forward + backward at (8, 4096, 16, 128) and at the model's heads,
-    1.05x at (8, 8192, 6, 96 / 192)). `python bench.py --section=tune_seq --variants=block`,
-    results/bench_h200/tune_seq_blocks.md (its second process)."""
+    0.703 at the model's heads (32, 2048, 6, 96 / 192), 0.747 against 0.914 at (8, 8192, 6, 96 / 192)
+    (`python bench.py --section=tune_seq --variants=block`, results/bench_h200/tune_seq_blocks.md, its second
+    process). The backward, its loads all pipelined, 64 columns and 3 stages too: forward + backward 0.976-0.984x
+    the time at 32 columns and 2 stages at (16, 2048, 8, 64), (8, 4096, 16, 128), (4, 8192, 16, 128) and the
+    model's heads (`python tools/ab_kernel.py`, results/bench_h200/bwd_state_loads.md)."""
     if fp32:
         return 16, 4, 2
     if _few_programs(BH, V):
         bv = 16 if BH * triton.cdiv(V, 16) <= SMS else 32
         return min(bv, max(16, triton.next_power_of_2(V))), 4, 3
-    return min(32 if bwd else 64, max(16, triton.next_power_of_2(V))), 4, 2 if bwd else 3
+    return min(64, max(16, triton.next_power_of_2(V))), 4, 3
 
 
 def _fwd_fuse_o(BH, V, save, N):

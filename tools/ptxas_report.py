@@ -4,10 +4,13 @@ ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
     python tools/ptxas_report.py [--fp32] [NAME ...]   (substrings of the kernel labels below; default: all)
 Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory.
     python tools/ptxas_report.py --wgmma
+    python tools/ptxas_report.py --loops
 The sequential kernels' PTX at their configurations (bf16, K = V = 128): the asynchronous tensor-core products
 (wgmma.mma_async) and the waits for them (wgmma.wait_group N: wait until at most N groups are in flight), which
 say how many products of a chunk's step run one after another. With PYTHONPATH at another Triton (e.g. a
 Triton 3.6 installed with pip --target), that Triton's PTX.
+--loops: the loads inside each kernel's loops that Triton issues stages ahead (cp.async) and those it loads
+synchronously, the sequential kernels at their configurations for 16 and for 128 sequence-heads.
 """
 import os
 import re
@@ -30,12 +33,16 @@ INT_PTR_ARGS = {"cu", "cs", "order", "cr"}
 FLT_ARGS = {"scale", "eps"}
 
 
-def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1, ptx_only=False):
-    sig = {}
+def compile_kernel(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
+    """The kernel compiled for sm_90 as the JIT specializes a call on tensors: every pointer 16-byte aligned
+    and H divisible by 16 (T and Tp are not specialized). Without these facts the loads are not vectorized
+    and Triton pipelines none of them."""
+    sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
             sig[name] = "constexpr"
-        elif name in INT_ARGS:
+            continue
+        if name in INT_ARGS:
             sig[name] = "i32"
         elif name in FLT_ARGS:
             sig[name] = "fp32"
@@ -45,9 +52,15 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1, ptx_on
             sig[name] = "*i32"
         else:
             sig[name] = "*" + dtype
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                        "num_stages": num_stages})
+        if sig[name].startswith("*") or name == "H":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                         "num_stages": num_stages})
+
+
+def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1, ptx_only=False):
+    ck = compile_kernel(fn, constexprs, num_warps, dtype, num_stages)
     if ptx_only:
         return ck.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
@@ -105,11 +118,51 @@ def wgmma_report():
               f"waits {waits}", flush=True)
 
 
+def loop_loads(ttgir):
+    """(pipelined, synchronous) loads inside loops of a kernel's TritonGPU IR: cp.async copies issued stages
+    ahead, and plain loads, whose latency a step waits for unless other work covers it."""
+    stack, n_async, n_sync = [], 0, 0
+    for line in ttgir.splitlines():
+        s = line.strip()
+        if s.startswith("}"):
+            stack and stack.pop()
+        in_loop = "for" in stack
+        n_async += in_loop and "ttg.async_copy_global_to_local" in s
+        n_sync += in_loop and " tt.load " in s
+        if s.endswith("{"):
+            stack.append("for" if "scf.for" in s else "other")
+    return n_async, n_sync
+
+
+def loops_report():
+    """Loads inside the loops of the sequential kernels (at the configurations kernel._seq_config gives 16
+    heads at batch 1 and 128 sequence-heads) and of the token-parallel kernels, bf16, K = V = 128."""
+    base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
+    fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True)
+    bwd = dict(USE_DHT=True, STORE_DH0=True)
+    items = []
+    for BH in (16, 128):
+        for fn, extra, is_bwd in ((kernel._fwd_kernel, fwd, False), (kernel._bwd_state_kernel, bwd, True)):
+            BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
+            items.append((f"{fn.__name__}, {BH} sequence-heads", fn, dict(base, BV=BV, **extra), nw, ns))
+    BVP, nwp = kernel._pre_config(128, 128)
+    for fn in (kernel._fwd_pre_kernel, kernel._fwd_o_kernel, kernel._bwd_pre_kernel):
+        items.append((fn.__name__, fn, dict(base, BV=BVP), nwp, 3))  # Triton's default stages
+    items += [(label.strip("* ").split()[0], fn, cx, nw, ns) for label, fn, cx, nw, ns in configs(128)[:3]]
+    print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: loads inside loops, pipelined / synchronous")
+    for label, fn, cx, nw, ns in items:
+        cx = {k: v for k, v in cx.items() if k in fn.arg_names}
+        n_async, n_sync = loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"])
+        print(f"{label:44s} BV {cx.get('BV', '-')}, warps {nw}, stages {ns}: {n_async} / {n_sync}", flush=True)
+
+
 def main():
     """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs;
-    --wgmma for the sequential kernels' products and waits instead."""
+    --wgmma for the sequential kernels' products and waits instead; --loops for the loads in their loops."""
     if "--wgmma" in sys.argv:
         return wgmma_report()
+    if "--loops" in sys.argv:
+        return loops_report()
     fp32 = "--fp32" in sys.argv
     sel = [a for a in sys.argv[1:] if a != "--fp32"]
     for K in (128, 64):
