@@ -134,26 +134,36 @@ def loop_loads(ttgir):
     return n_async, n_sync
 
 
-def loops_report():
-    """Loads inside the loops of the sequential kernels (at the configurations kernel._seq_config gives 16
-    heads at batch 1 and 128 sequence-heads) and of the token-parallel kernels, bf16, K = V = 128."""
-    base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
+def sequential_loop_loads():
+    """[(label, pipelined, synchronous)]: the loads inside the loops of the sequential kernels, bf16, K = V = 128,
+    at the configurations kernel._seq_config gives 16 heads at batch 1 and 128 sequence-heads."""
+    base = dict(K=128, V=128, C=64, BK=128, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
     fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True)
     bwd = dict(USE_DHT=True, STORE_DH0=True)
-    items = []
+    out = []
     for BH in (16, 128):
         for fn, extra, is_bwd in ((kernel._fwd_kernel, fwd, False), (kernel._bwd_state_kernel, bwd, True)):
             BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
-            items.append((f"{fn.__name__}, {BH} sequence-heads", fn, dict(base, BV=BV, **extra), nw, ns))
-    BVP, nwp = kernel._pre_config(128, 128)
-    for fn in (kernel._fwd_pre_kernel, kernel._fwd_o_kernel, kernel._bwd_pre_kernel):
-        items.append((fn.__name__, fn, dict(base, BV=BVP), nwp, 3))  # Triton's default stages
-    items += [(label.strip("* ").split()[0], fn, cx, nw, ns) for label, fn, cx, nw, ns in configs(128)[:3]]
+            ttgir = compile_kernel(fn, dict(base, BV=BV, **extra), nw, "bf16", ns).asm["ttgir"]
+            out.append((f"{fn.__name__}, {BH} sequence-heads, BV {BV}, warps {nw}, stages {ns}", *loop_loads(ttgir)))
+    return out
+
+
+def loops_report():
+    """Loads inside the loops of the sequential kernels and of the token-parallel kernels, bf16, K = V = 128."""
     print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: loads inside loops, pipelined / synchronous")
+    for label, n_async, n_sync in sequential_loop_loads():
+        print(f"{label:68s}: {n_async} / {n_sync}", flush=True)
+    base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
+    BVP, nwp = kernel._pre_config(128, 128)
+    items = [(fn.__name__, fn, dict(base, BV=BVP), nwp, 3)  # Triton's default stages
+             for fn in (kernel._fwd_pre_kernel, kernel._fwd_o_kernel, kernel._bwd_pre_kernel)]
+    items += [(label.strip("* ").split()[0], fn, cx, nw, ns) for label, fn, cx, nw, ns in configs(128)[:3]]
     for label, fn, cx, nw, ns in items:
         cx = {k: v for k, v in cx.items() if k in fn.arg_names}
         n_async, n_sync = loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"])
-        print(f"{label:44s} BV {cx.get('BV', '-')}, warps {nw}, stages {ns}: {n_async} / {n_sync}", flush=True)
+        label = f"{label}, BV {cx.get('BV', '-')}, warps {nw}, stages {ns}"
+        print(f"{label:68s}: {n_async} / {n_sync}", flush=True)
 
 
 def main():
