@@ -99,23 +99,29 @@ def configs(K, fp32=False):
     return out
 
 
-def wgmma_report():
-    """The products and waits in the PTX of _fwd_kernel (output inside, with few and with many programs) and
-    _bwd_state_kernel, at the value columns and stages kernel._seq_config gives them."""
+def sequential_configs():
+    """(label, kernel, constexprs, warps, stages): _fwd_kernel (output inside, chunk states saved) and
+    _bwd_state_kernel, bf16, K = V = 128, at the configurations kernel._seq_config gives 16 heads at batch 1 and
+    128 sequence-heads."""
     base = dict(K=128, V=128, C=64, BK=128, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
-    fwd = dict(USE_H0=False, STORE_HT=False, SAVE_H=False, FUSE_O=True)
-    bwd = dict(USE_DHT=False, STORE_DH0=False)
+    fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True)
+    bwd = dict(USE_DHT=True, STORE_DH0=True)
+    out = []
+    for BH, who in ((16, "16 heads at batch 1"), (128, "128 sequence-heads")):
+        for fn, extra, is_bwd in ((kernel._fwd_kernel, fwd, False), (kernel._bwd_state_kernel, bwd, True)):
+            BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
+            out.append((f"{fn.__name__}, {who} (BV {BV}, {nw} warps, {ns} stages)", fn, dict(base, BV=BV, **extra),
+                        nw, ns))
+    return out
+
+
+def wgmma_report():
+    """The products and waits in the PTX of the sequential kernels (sequential_configs)."""
     print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128")
-    for name, fn, extra, BH, is_bwd in (("_fwd_kernel, 16 heads at batch 1", kernel._fwd_kernel, fwd, 16, False),
-                                        ("_fwd_kernel, 128 sequence-heads", kernel._fwd_kernel, fwd, 128, False),
-                                        ("_bwd_state_kernel, 16 heads at batch 1", kernel._bwd_state_kernel, bwd, 16, True),
-                                        ("_bwd_state_kernel, 128 sequence-heads", kernel._bwd_state_kernel, bwd, 128,
-                                         True)):
-        BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
-        ptx = compile_report(fn, dict(base, BV=BV, **extra), nw, num_stages=ns, ptx_only=True)
+    for label, fn, cx, nw, ns in sequential_configs():
+        ptx = compile_report(fn, cx, nw, num_stages=ns, ptx_only=True)
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
-        print(f"{name} (BV {BV}, {nw} warps, {ns} stages): {ptx.count('wgmma.mma_async')} wgmma.mma_async, "
-              f"waits {waits}", flush=True)
+        print(f"{label}: {ptx.count('wgmma.mma_async')} wgmma.mma_async, waits {waits}", flush=True)
 
 
 def loop_loads(ttgir):
@@ -135,25 +141,16 @@ def loop_loads(ttgir):
 
 
 def sequential_loop_loads():
-    """[(label, pipelined, synchronous)]: the loads inside the loops of the sequential kernels, bf16, K = V = 128,
-    at the configurations kernel._seq_config gives 16 heads at batch 1 and 128 sequence-heads."""
-    base = dict(K=128, V=128, C=64, BK=128, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
-    fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True)
-    bwd = dict(USE_DHT=True, STORE_DH0=True)
-    out = []
-    for BH in (16, 128):
-        for fn, extra, is_bwd in ((kernel._fwd_kernel, fwd, False), (kernel._bwd_state_kernel, bwd, True)):
-            BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
-            ttgir = compile_kernel(fn, dict(base, BV=BV, **extra), nw, "bf16", ns).asm["ttgir"]
-            out.append((f"{fn.__name__}, {BH} sequence-heads, BV {BV}, warps {nw}, stages {ns}", *loop_loads(ttgir)))
-    return out
+    """[(label, pipelined, synchronous)]: the loads inside the loops of the sequential kernels (sequential_configs)."""
+    return [(label, *loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"]))
+            for label, fn, cx, nw, ns in sequential_configs()]
 
 
 def loops_report():
     """Loads inside the loops of the sequential kernels and of the token-parallel kernels, bf16, K = V = 128."""
     print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: loads inside loops, pipelined / synchronous")
     for label, n_async, n_sync in sequential_loop_loads():
-        print(f"{label:68s}: {n_async} / {n_sync}", flush=True)
+        print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
     base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
     BVP, nwp = kernel._pre_config(128, 128)
     items = [(fn.__name__, fn, dict(base, BV=BVP), nwp, 3)  # Triton's default stages
@@ -162,8 +159,8 @@ def loops_report():
     for label, fn, cx, nw, ns in items:
         cx = {k: v for k, v in cx.items() if k in fn.arg_names}
         n_async, n_sync = loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"])
-        label = f"{label}, BV {cx.get('BV', '-')}, warps {nw}, stages {ns}"
-        print(f"{label:68s}: {n_async} / {n_sync}", flush=True)
+        label = f"{label} (BV {cx.get('BV', '-')}, {nw} warps, {ns} stages)"
+        print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
 
 
 def main():
