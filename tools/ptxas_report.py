@@ -59,10 +59,8 @@ def compile_kernel(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
                                                                          "num_stages": num_stages})
 
 
-def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1, ptx_only=False):
+def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
     ck = compile_kernel(fn, constexprs, num_warps, dtype, num_stages)
-    if ptx_only:
-        return ck.asm["ptx"]
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
@@ -119,7 +117,7 @@ def wgmma_report():
     """The products and waits in the PTX of the sequential kernels (sequential_configs)."""
     print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128")
     for label, fn, cx, nw, ns in sequential_configs():
-        ptx = compile_report(fn, cx, nw, num_stages=ns, ptx_only=True)
+        ptx = compile_kernel(fn, cx, nw, "bf16", ns).asm["ptx"]
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)
         print(f"{label}: {ptx.count('wgmma.mma_async')} wgmma.mma_async, waits {waits}", flush=True)
 
