@@ -1077,6 +1077,39 @@ def test_sequential_kernels_load_each_step_ahead():
         assert n_async >= 7 and n_sync == (1 if "_bwd_state_kernel" in label else 0), (label, n_async, n_sync)
 
 
+CONTROL_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def control_kernel(x, y, C: tl.constexpr):
+    r = tl.arange(0, C)
+    a = tl.load(x + r[:, None] * C + r[None, :])
+    p = tl.dot(a, tl.trans(a)) * 0.5  # a loaded tile transposed into a product: allowed
+    tl.store(y + r[:, None] * C + r[None, :], tl.dot(tl.trans(p.to(tl.bfloat16)), a))  # a product's: not
+"""
+
+
+def test_kernels_transpose_no_product_into_a_product(tmp_path):
+    """No chunk kernel feeds a product the transpose of a matrix computed from a product, which Triton 3.4 to
+    3.7.0 miscompile on Hopper (fla #640): every tt.trans in their Triton IR for sm_90 (tools/ptxas_report.py,
+    without the interpreter) is of a loaded tile, or does not reach a product. A control kernel with the pattern is
+    caught."""
+    (tmp_path / "control.py").write_text(CONTROL_KERNEL)
+    code = ("import json, os, sys; os.environ.pop('TRITON_INTERPRET', None); sys.path[:0] = ['tools', sys.argv[1]]; "
+            "import ptxas_report as p, control; "
+            "c = p.transposes(p.compile_kernel(control.control_kernel, dict(C=64), 4).asm['ttir']); "
+            "print(json.dumps([c, p.chunk_kernel_transposes()]))")
+    p = run("-c", code, str(tmp_path), timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    control, kernels = json.loads(p.stdout.strip().splitlines()[-1])
+    assert sorted((c, q) for _, c, q in control) == [(False, True), (True, True)], control
+    assert len(kernels) == 11 and sum(len(ts) for _, ts in kernels) >= 10
+    for name, ts in kernels:
+        assert not any(c and q for _, c, q in ts), (name, ts)
+
+
 def test_prep_kernel_inverse_and_its_bench_tool():
     """_prep_kernel, launched as tools/prep_bench.py launches it: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1
     (stored in bf16) against float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""

@@ -11,6 +11,10 @@ say how many products of a chunk's step run one after another. With PYTHONPATH a
 Triton 3.6 installed with pip --target), that Triton's PTX.
 --loops: the loads inside each kernel's loops that Triton issues stages ahead (cp.async) and those it loads
 synchronously, the sequential kernels at their configurations for 16 and for 128 sequence-heads.
+    python tools/ptxas_report.py --trans
+Each chunk kernel's transposes (tt.trans in its Triton IR): of a loaded tile or of a matrix computed from a
+product, and whether the transpose reaches a product's operand. A computed matrix transposed into a product is what
+Triton 3.4 to 3.7.0 miscompile on Hopper (fla #640); the kernels avoid it (test_kla checks).
 """
 import os
 import re
@@ -144,30 +148,98 @@ def sequential_loop_loads():
             for label, fn, cx, nw, ns in sequential_configs()]
 
 
+def chunk_kernels():
+    """(kernel, constexprs, warps, stages): every kernel of the chunkwise forward and backward at its configuration,
+    bf16, K = V = 128 (the sequential ones for 16 heads at batch 1 and for 128 sequence-heads)."""
+    base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
+    BVP, nwp = kernel._pre_config(128, 128)
+    items = [(kernel._prep_kernel, base, kernel._prep_warps(128), 3)]
+    items += [(fn, dict(base, BV=BVP), nwp, 3)
+              for fn in (kernel._fwd_pre_kernel, kernel._fwd_o_kernel, kernel._bwd_pre_kernel)]
+    items += [(fn, cx, nw, ns) for _, fn, cx, nw, ns in configs(128)[:3] + sequential_configs()]
+    return [(fn, {k: v for k, v in cx.items() if k in fn.arg_names}, nw, ns) for fn, cx, nw, ns in items]
+
+
 def loops_report():
     """Loads inside the loops of the sequential kernels and of the token-parallel kernels, bf16, K = V = 128."""
     print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: loads inside loops, pipelined / synchronous")
     for label, n_async, n_sync in sequential_loop_loads():
         print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
-    base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
-    BVP, nwp = kernel._pre_config(128, 128)
-    items = [(fn.__name__, fn, dict(base, BV=BVP), nwp, 3)  # Triton's default stages
-             for fn in (kernel._fwd_pre_kernel, kernel._fwd_o_kernel, kernel._bwd_pre_kernel)]
-    items += [(label.strip("* ").split()[0], fn, cx, nw, ns) for label, fn, cx, nw, ns in configs(128)[:3]]
-    for label, fn, cx, nw, ns in items:
-        cx = {k: v for k, v in cx.items() if k in fn.arg_names}
-        n_async, n_sync = loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"])
-        label = f"{label} (BV {cx.get('BV', '-')}, {nw} warps, {ns} stages)"
-        print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
+    for fn, cx, nw, ns in chunk_kernels():
+        if fn not in (kernel._fwd_kernel, kernel._bwd_state_kernel):
+            n_async, n_sync = loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"])
+            label = f"{fn.__name__} (BV {cx.get('BV', '-')}, {nw} warps, {ns} stages)"
+            print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
+
+
+SSA_DEF = re.compile(r"^\s*(%[\w.#]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")  # %name = op operands : types
+
+
+def transposes(ttir):
+    """[(value, of a product, into a product)] for each tt.trans in a kernel's Triton IR: whether the matrix it
+    transposes is computed from a product (a tt.dot, through any other ops; a loop's carried value counts as
+    computed) rather than loaded, and whether the transpose reaches an operand of a product (through any ops but
+    stores). Both at once is the pattern Triton 3.4 to 3.7.0 miscompile on Hopper (fla #640)."""
+    defs, users, params = {}, {}, set()
+    for line in ttir.splitlines():
+        if "tt.func" in line:
+            params.update(re.findall(r"(%[\w.]+): ", line))  # the kernel's arguments: pointers and scalars
+        m = SSA_DEF.match(line)
+        if m:
+            name, op, rest = m.groups()
+            defs[name] = (op, re.findall(r"%[\w.#]+", rest.split(" : ")[0]))
+    for name, (_, args) in defs.items():
+        for a in args:
+            users.setdefault(a, []).append(name)
+
+    def computed(v, seen):
+        if v in params or v in seen:
+            return False
+        if v not in defs:  # a block argument: a loop's carried value
+            return True
+        seen.add(v)
+        op, args = defs[v]
+        return op == "tt.dot" or (op != "tt.load" and any(computed(a, seen) for a in args))
+
+    def into_product(v, seen):
+        for u in users.get(v, []):
+            op, args = defs[u]
+            if op == "tt.dot" and v in args[:2]:
+                return True
+            if u not in seen and op != "tt.store":
+                seen.add(u)
+                if into_product(u, seen):
+                    return True
+        return False
+
+    return [(name, computed(args[0], set()), into_product(name, set()))
+            for name, (op, args) in defs.items() if op == "tt.trans"]
+
+
+def chunk_kernel_transposes():
+    """[(kernel name, transposes(its Triton IR))] for chunk_kernels()."""
+    return [(fn.__name__, transposes(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttir"]))
+            for fn, cx, nw, ns in chunk_kernels()]
+
+
+def trans_report():
+    """Each chunk kernel's transposes: of a loaded or a computed matrix, into a product or not."""
+    print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: transposes (value: of a product / into a product)")
+    for name, ts in chunk_kernel_transposes():
+        print(f"{name:20s} " + ", ".join(f"{v}: {'computed' if c else 'loaded'} / {'product' if p else '-'}"
+                                         for v, c, p in ts), flush=True)
 
 
 def main():
     """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs;
-    --wgmma for the sequential kernels' products and waits instead; --loops for the loads in their loops."""
+    --wgmma for the sequential kernels' products and waits instead; --loops for the loads in their loops; --trans
+    for the chunk kernels' transposes."""
     if "--wgmma" in sys.argv:
         return wgmma_report()
     if "--loops" in sys.argv:
         return loops_report()
+    if "--trans" in sys.argv:
+        return trans_report()
     fp32 = "--fp32" in sys.argv
     sel = [a for a in sys.argv[1:] if a != "--fp32"]
     for K in (128, 64):
