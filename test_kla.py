@@ -324,6 +324,9 @@ def test_input_errors_name_the_problem():
         ((q, k, v, g[..., :1], eta), {}, "g must be"),
         ((q, k, v, g, eta[:, :2]), {}, "eta must be"),
         ((q, k, v, -g, eta), {}, "g is a log decay"),
+        ((q, k, v, g.masked_fill(g < g.median(), float("nan")), eta), {}, "must be <= 0, but it holds NaN"),
+        ((q, k, v, g, eta), {"scale": "0.3"}, "scale must be a finite number"),
+        ((q, k, v, g, eta), {"scale": float("inf")}, "scale must be a finite number"),
         ((q.long(), k, v, g, eta), {}, "q must be a floating-point"),
         ((q, k, v, g, eta), {"initial_state": h0[..., :2]}, "initial_state must be"),
         ((q[:, :0], k[:, :0], v[:, :0], g[:, :0], eta[:, :0]), {}, "empty"),
@@ -339,8 +342,10 @@ def test_reference_argument_errors():
     allowed range."""
     q, k, v, g, eta, _ = make_inputs(T=8)
     for fn in (kla_recurrent, kla_chunkwise):
-        with pytest.raises(ValueError, match=r"eps must be >= 0, got -1e-06"):
+        with pytest.raises(ValueError, match=r"eps must be a number >= 0, got -1e-06"):
             fn(q, k, v, g, eta, eps=-1e-6)
+        with pytest.raises(ValueError, match=r"eps must be a number >= 0, got '0'"):
+            fn(q, k, v, g, eta, eps="0")
         with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 8\)"):
             fn(q[:0], k[:0], v[:0], g[:0], eta[:0])
     for C in (0, -4):
@@ -922,17 +927,29 @@ def test_kernel_full_forgetting_and_strong_gates():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
 
 
-def test_kernel_argument_errors():
-    """eps < 0 and an empty batch: one ValueError from kla_chunk and kla_step before any work."""
+def test_kernel_argument_errors(monkeypatch):
+    """eps < 0, a scale that is not a finite number, an empty batch, no state for the step, and CPU tensors
+    outside Triton's interpreter: one ValueError from kla_chunk and kla_step before any work."""
     q, k, v, g, eta, h0 = make_inputs(1, 8, 2, 32, 16, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"eps must be >= 0, got -0.5"):
+    one = [x[:, :1] for x in (q, k, v, g, eta)]
+    with pytest.raises(ValueError, match=r"eps must be a number >= 0, got -0.5"):
         kernel.kla_chunk(q, k, v, g, eta, eps=-0.5)
-    with pytest.raises(ValueError, match=r"eps must be >= 0"):
-        kernel.kla_step(*(x[:, :1] for x in (q, k, v, g, eta)), h0, eps=-1.0)
+    with pytest.raises(ValueError, match=r"eps must be a number >= 0"):
+        kernel.kla_step(*one, h0, eps=-1.0)
+    with pytest.raises(ValueError, match=r"scale must be a finite number \(None: K\^-0.5\), got 'a'"):
+        kernel.kla_chunk(q, k, v, g, eta, scale="a")
+    with pytest.raises(ValueError, match=r"scale must be a finite number"):
+        kernel.kla_step(*one, h0, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"kla_step needs the state"):
+        kernel.kla_step(*one, None)
     with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 8\)"):
         kernel.kla_chunk(q[:0], k[:0], v[:0], g[:0], eta[:0])
     with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 1\)"):
         kernel.kla_step(*(x[:0, :1] for x in (q, k, v, g, eta)), h0[:0])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for call in (lambda: kernel.kla_chunk(q, k, v, g, eta), lambda: kernel.kla_step(*one, h0)):
+        with pytest.raises(ValueError, match=r"q is on cpu: the Triton kernels take CUDA tensors"):
+            call()
 
 
 def test_kernel_noncontiguous_no_grad_and_scale():
