@@ -2490,6 +2490,32 @@ def test_log_write_failure_at_a_resume(trained, tiny_data, tmp_path):
     assert [(out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")] == before
 
 
+def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
+    """Out of memory in the training loop (raised here at the 7th optimizer step, after the checkpoint of
+    iteration 4): one line naming batch_size and block_size and the iteration the checkpoint holds, exit status 1,
+    no traceback; the run resumes from that checkpoint."""
+    out = tmp_path / "out"
+    oom = ("import runpy, sys, torch\n"
+           "clip, calls = torch.nn.utils.clip_grad_norm_, []\n"
+           "def clip_or_oom(*args, **kw):\n"
+           "    calls.append(1)\n"
+           "    if len(calls) == 7:\n"
+           "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+           "    return clip(*args, **kw)\n"
+           "torch.nn.utils.clip_grad_norm_ = clip_or_oom\n"
+           f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+           "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--max_iters=12", "--eval_interval=4"]
+    p = run("-c", oom, *args)
+    assert_clean_error(p, "error: out of memory on cpu at iteration 6 with batch_size = 4, block_size = 16: lower "
+                          "batch_size", f"{out / 'ckpt.pt'} holds iteration 4 (continue with --init_from=resume)")
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == 4
+    p = run("train.py", *args, "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    assert [r["iter"] for r in train_log(out) if "val_loss" in r][-1] == 12
+
+
 def test_ctrl_c_stops_with_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
     """SIGINT (Ctrl-C) while a run trains, saving a checkpoint at every iteration (so that an interrupt may land
     in a write, which is then finished first): one line saying where it stopped and which iteration the checkpoint

@@ -662,6 +662,21 @@ def check_steps():
     return values[-1][0] if values else float("nan")
 
 
+def on_out_of_memory(kind, err, tb):
+    """Out of memory while training or evaluating: one line naming the settings that size the memory and what the
+    checkpoint holds, exit status 1, instead of a traceback (other errors keep theirs)."""
+    if not (issubclass(kind, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(err)):
+        return sys.__excepthook__(kind, err, tb)
+    held = (f"{ckpt_path} holds iteration {saved_iter} (continue with --init_from=resume)" if saved_iter is not None
+            else "no checkpoint was saved yet")
+    print(f"error: out of memory on {device} at iteration {iter_num} with batch_size = {batch_size}, block_size = {block_size}: lower batch_size (raising "
+          f"gradient_accumulation_steps as much keeps the {tokens_per_iter:,} tokens a step; recompute_elementwise=True "
+          f"and fused_loss=True keep less); {held}", file=sys.stderr, flush=True)
+    unlock_out_dir()
+
+
+sys.excepthook = on_out_of_memory
+
 # training loop
 # micro-batch m of process r is global micro-batch r * gradient_accumulation_steps + m: one process with
 # 8 micro-batches and 8 processes with one each train on the same batches
