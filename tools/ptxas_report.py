@@ -226,7 +226,7 @@ def chunk_kernel_transposes():
 
 def trans_report():
     """Each chunk kernel's transposes: of a loaded or a computed matrix, into a product or not."""
-    print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: transposes (value: of a product / into a product)")
+    print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: transposes (value: loaded or computed / into a product or not)")
     for name, ts in chunk_kernel_transposes():
         print(f"{name:20s} " + ", ".join(f"{v}: {'computed' if c else 'loaded'} / {'product' if p else '-'}"
                                          for v, c, p in ts), flush=True)
