@@ -35,9 +35,12 @@ def _checked(key, value, source):
 for _arg in sys.argv[1:]:
     if not _arg.startswith("--"):
         try:
-            _src = open(_arg).read()
+            with open(_arg, encoding="utf-8") as _f:  # Python source is UTF-8
+                _src = _f.read()
         except OSError as _err:
             _config_error(f"cannot read config file {_arg}: {_err.strerror}")
+        except UnicodeDecodeError:
+            _config_error(f"cannot read config file {_arg}: not UTF-8 text")
         print(f"Overriding config with {_arg}:\n{_src}")
         _file_globals = {"__file__": _arg}  # so that a config file can build on another beside it
         try:

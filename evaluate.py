@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, doc_seqlens, read_checkpoint
+from prepare_data import write_file
 
 # -----------------------------------------------------------------------------
 out_dir = "out"
@@ -112,6 +113,16 @@ def read(name, dtype, length):
     return np.memmap(path, dtype=dtype, mode="r").reshape(-1, length) if length else np.memmap(path, dtype=dtype, mode="r")
 
 
+if "test_lengths" not in meta:  # every window against every split it is drawn from, before any evaluation
+    for split in ("test", "val"):
+        tokens = len(read(f"{split}.bin", np.dtype(meta["dtype"]), 0))
+        too_long = [int(f) for f in factors.split(",") if int(f) * block_size >= tokens]
+        if too_long:
+            fail(f"factors = {factors!r}: the {split} split holds {tokens} tokens, too few for windows of "
+                 f"{too_long[0] * block_size} (factor {too_long[0]} x block_size {block_size}); the factors it allows "
+                 f"are 1 to {(tokens - 1) // block_size}")
+
+
 @torch.no_grad()
 def segments(x, y):
     """(logits, mean loss, targets) of consecutive block_size segments of the sequences x, y (B, T), the state
@@ -154,9 +165,7 @@ def recall_accuracy(length):
 
 def lm_loss(split, length):
     """The mean loss on eval_batches batches of random windows of split, and the number of tokens predicted."""
-    data = read(f"{split}.bin", np.dtype(meta["dtype"]), 0)
-    if len(data) <= length:
-        fail(f"the {split} split holds {len(data)} tokens, too few for windows of {length}")
+    data = read(f"{split}.bin", np.dtype(meta["dtype"]), 0)  # longer than length: checked above
     rng = np.random.default_rng(seed)
     total = count = 0
     for _ in range(eval_batches):
@@ -211,10 +220,9 @@ print(f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c in 
       + "---|" * len(columns))
 for r in results:
     print(f"| {r['length']} | {r['length'] / block_size:g} | " + " | ".join(f"{r[c]:.4f}" for c in columns) + " |")
-try:
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
-        json.dump({"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
-                   "iter_num": checkpoint["iter_num"], "documents": documents, "padded": padded, "results": results},
-                  f, indent=1)
+try:  # atomically: a write cut short (a full disk) leaves no eval.json half written, and an old one as it was
+    write_file(os.path.join(out_dir, "eval.json"),
+               {"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
+                "iter_num": checkpoint["iter_num"], "documents": documents, "padded": padded, "results": results})
 except OSError as err:
     fail(f"cannot write {os.path.join(out_dir, 'eval.json')}: {err.strerror}")

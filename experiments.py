@@ -23,8 +23,11 @@ Tasks (their config file holds every hyper-parameter; flags after --train_args o
 STEP_RULES; 'deltanet' is the rule 'unit' with --decay=False), a run each named <task>-<rule>-<seed>.
 Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
 eval.json exists is skipped, so seeds can be added later; one with a checkpoint but no eval.json (stopped or
-killed) is resumed from it; if train.py had ended it (early stop or max_iters, its evaluation unfinished),
-train.py says there is nothing left to train and the run is evaluated. --deadline=S stops the training runs
+killed; or an eval.json that cannot be read, a write cut short) is resumed from it; if train.py had ended it (early
+stop or max_iters, its evaluation unfinished), train.py says there is nothing left to train and the run is
+evaluated. A run whose train.py fails otherwise (e.g. a resume refused: other model flags than its checkpoint's),
+or whose evaluate.py fails, is reported with its error line, neither evaluated nor collected, and experiments.py
+exits non-zero at the end. --deadline=S stops the training runs
 still going after S seconds (their best checkpoint so far is evaluated, and the iteration reached is recorded;
 with --eval_stopped=False they are left for the next call to resume, e.g. on a machine that keeps --root
 between calls). A SIGTERM (a scheduler's time limit, `kill`) does the same at once.
@@ -32,7 +35,10 @@ between calls). A SIGTERM (a scheduler's time limit, `kill`) does the same at on
 results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
 already there), its mixer and step_rule (empty: the mixer's own); <task>.png beside it plots the mean and spread
 over seeds per mixer (or rule) against the evaluation length. A task with no evaluated run under --root keeps its
-table and plot as they are.
+table and plot as they are. A row is never replaced by another run's silently: a call that would (a run of the same
+task, mixer or rule and seed under another --root, with other settings, or trained again) stops before any work,
+naming the row, and writes nothing; collect such runs into another --results_dir, or replace the rows with
+--overwrite=True. The same run collected again gives the same row, which is no replacement.
 """
 import csv
 import json
@@ -75,27 +81,97 @@ eval_stopped = True  # evaluate the runs --deadline stopped (their best checkpoi
 #                      unevaluated, so that the next call with the same --root resumes them
 eval_args = ""  # extra evaluate.py flags, e.g. "--max_examples=100"
 collect = False  # only collect and plot
+overwrite = False  # replace the rows of the results tables that other runs made (otherwise refused, see above)
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------
 here = os.path.dirname(os.path.abspath(__file__))
+MIXERS = ("kla", "gdn", "attn")  # train.py --mixer
+NOTHING_LEFT = 3  # train.py's exit status for a resume with nothing left to train
+
+# every setting checked before any work: one line naming the value and what it may be (configurator.py)
+check("tasks", all(t in TASKS for t in tasks.split(",")), f"tasks separated by commas, from {', '.join(TASKS)}")
+check("mixers", all(m in MIXERS for m in mixers.split(",")), f"mixers separated by commas, from {', '.join(MIXERS)}")
+check("step_rules", not step_rules or all(r in STEP_RULE_FLAGS for r in step_rules.split(",")),
+      f"step rules separated by commas, from {', '.join(STEP_RULE_FLAGS)} ('': none)")
+check("mixers", not step_rules or mixers in ("kla", "gdn"),
+      "one mixer, 'kla' or 'gdn', with --step_rules (which vary the layer of that mixer)")
+check("seeds", all(s.isdigit() for s in seeds.split(",")), "integers >= 0 separated by commas, e.g. 1,2,3")
+check("jobs", jobs >= 1, ">= 1")
+check("gpus", not gpus or all(g.isdigit() for g in gpus.split(",")), "GPU indices separated by commas, e.g. 0,1 ('': all)")
+check("deadline", deadline >= 0, ">= 0 seconds (0: none)")
+check("n_train", n_train >= 0, ">= 0 (0: the authors' 20,000)")
+for key in ("root", "data_dir", "results_dir"):
+    check(key, not os.path.isfile(globals()[key]), "a folder (made if missing), not a file")
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(1)
 
 
 def runs():
     """(task, train.py flags of the model, seed, out_dir) of every run: a mixer each, or a step rule each."""
     rules = step_rules.split(",") if step_rules else []
-    for rule in rules:
-        if rule not in STEP_RULE_FLAGS:
-            sys.exit(f"error: unknown step rule {rule!r}; choose from {', '.join(STEP_RULE_FLAGS)}")
-    if rules and mixers not in ("kla", "gdn"):
-        sys.exit(f"error: --step_rules varies the layer of one mixer: --mixers=kla or gdn, got {mixers!r}")
     models = {rule: [f"--mixer={mixers}"] + STEP_RULE_FLAGS[rule] for rule in rules} \
         or {mixer: [f"--mixer={mixer}"] for mixer in mixers.split(",")}
     for task in tasks.split(","):
-        if task not in TASKS:
-            sys.exit(f"error: unknown task {task!r}; choose from {', '.join(TASKS)}")
         for name, flags in models.items():
             for seed in seeds.split(","):
                 yield task, flags, int(seed), os.path.join(root, f"{task}-{name}-{seed}")
+
+
+def read_eval(out_dir):
+    """(the run's eval.json, '') or (None, why not), why '' when there is none. A run whose eval.json cannot be read
+    (a write cut short, e.g. by a full disk) is not done either."""
+    path = os.path.join(out_dir, "eval.json")
+    if not os.path.exists(path):
+        return None, ""
+    try:
+        with open(path) as f:
+            ev = json.load(f)
+        ev["mixer"], ev["seed"], ev["iter_num"], [r["length"] for r in ev["results"]]  # what collected() reads
+        return ev, ""
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return None, f"its eval.json is unreadable ({type(err).__name__}: {err})"
+
+
+def results_path(task):
+    return os.path.join(results_dir or os.path.join("results", task), f"{task}.csv")
+
+
+def read_table(path):
+    """The rows of a results table, by (mixer, step_rule, seed); {} if there is none."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
+                for r in csv.DictReader(f)}
+
+
+def replaced(fresh=()):
+    """The rows of the results tables that this call would replace by those of other runs: a row for a run
+    collected from --root whose values differ from the table's, or a table's row for a run of fresh (runs about to
+    be trained from nothing, without a checkpoint). One line saying which and what to do, or ''."""
+    clashes = []
+    for task, (_, _, column) in TASKS.items():
+        table = read_table(results_path(task))
+        if not table:
+            continue
+        for name, row in collected(task, column, quiet=True).items():
+            old = table.get((row["mixer"], row["step_rule"], row["seed"]))
+            if old and any(str(row[k]) != old[k] for k in row.keys() & old.keys()):
+                clashes.append((task, row["step_rule"] or row["mixer"], row["seed"], os.path.join(root, name)))
+        for t, _, seed, out_dir in fresh:
+            name = os.path.basename(out_dir)[len(t) + 1:].rpartition("-")[0]  # <task>-<mixer or rule>-<seed>
+            key = (mixers, name, str(seed)) if step_rules else (name, "", str(seed))
+            if t == task and key in table and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+                clashes.append((task, name, str(seed), out_dir))
+    if not clashes:
+        return ""
+    task, name, seed, out_dir = clashes[0]
+    more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
+    return (f"{results_path(task)} already holds {name} seed {seed}{more}, from another run than {out_dir}: "
+            "collect into another --results_dir, or replace those rows with --overwrite=True")
 
 
 def gpu_ids():
@@ -124,15 +200,18 @@ def least_busy(devices, gpu_of, running):
 stop_signal = []  # SIGTERM (a scheduler's time limit, `kill`) received: stop as at the deadline
 
 
-def run_all():
+def run_all(todo):
+    """Train and evaluate the runs of todo; the out_dirs of those that failed (train.py or evaluate.py exited
+    with an error, shown here)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_signal.append("SIGTERM"))
     for task in tasks.split(","):  # data first, once per dataset
         dataset = TASKS[task][1]
         if not os.path.exists(os.path.join(here, data_dir, dataset, "meta.json")):
-            subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}", f"--data_dir={data_dir}"]
-                           + ([f"--n_train={n_train}"] if n_train else []), cwd=here, check=True)
-    todo = [r for r in runs() if not os.path.exists(os.path.join(r[3], "eval.json"))]
-    t0, waiting, running, done = time.time(), list(todo), {}, []
+            p = subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}", f"--data_dir={data_dir}"]
+                               + ([f"--n_train={n_train}"] if n_train else []), cwd=here)
+            if p.returncode:  # its error line is above
+                sys.exit(p.returncode)
+    t0, waiting, running, done, failed = time.time(), list(todo), {}, [], []
     devices, gpu_of = gpu_ids(), {}  # gpu_of: out_dir -> the GPU it runs on
 
     def stop():
@@ -165,62 +244,85 @@ def run_all():
                 # that one trains and evaluates it; here it is neither evaluated nor counted as done
                 print(f"[{time.time() - t0:6.0f}s] left alone {out_dir}: in use by another train.py", flush=True)
                 continue
-            print(f"[{time.time() - t0:6.0f}s] finished {out_dir} (exit {p.returncode})", flush=True)
-            if p.returncode:  # why, in this log too: its last line (e.g. an out-of-memory error)
-                with open(os.path.join(out_dir, "stdout.txt"), errors="replace") as f:
-                    print("    " + (f.read().strip().splitlines() or [""])[-1][:300], flush=True)
-            done.append(out_dir)
+            why = last_line(os.path.join(out_dir, "stdout.txt")) if p.returncode else ""  # e.g. out of memory
+            # a run that train.py had ended (early stop, max_iters) but whose evaluation did not finish: train.py
+            # refuses it with nothing left to train, and its checkpoint is evaluated; any other error is a failure
+            ended = p.returncode == NOTHING_LEFT
+            print(f"[{time.time() - t0:6.0f}s] {'finished' if not p.returncode or ended else 'failed'} {out_dir} "
+                  f"(exit {p.returncode})" + (f"\n    {why}" if why else ""), flush=True)
+            (done if not p.returncode or ended else failed).append(out_dir)
         time.sleep(1)
     evals = {}
     for d in done:
         if os.path.exists(os.path.join(d, "ckpt.pt")):
             gpu_of[d] = least_busy(devices, gpu_of, evals)
             evals[d] = launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt", gpu_of[d])
-    for p in evals.values():
-        p.wait()
-    print(f"[{time.time() - t0:6.0f}s] evaluated {len(evals)} runs", flush=True)
+    for d, p in evals.items():
+        if p.wait():
+            print(f"[{time.time() - t0:6.0f}s] evaluation failed {d} (exit {p.returncode})\n    "
+                  + last_line(os.path.join(d, "eval.txt")), flush=True)
+            failed.append(d)
+    print(f"[{time.time() - t0:6.0f}s] evaluated {sum(p.returncode == 0 for p in evals.values())} runs", flush=True)
+    return failed
+
+
+def last_line(path):
+    """The last line a process wrote to its log (its error line, when it failed)."""
+    with open(path, errors="replace") as f:
+        return (f.read().strip().splitlines() or [""])[-1][:300]
+
+
+def collected(task, column, quiet=False):
+    """{run name: its row of the results table} of the task's runs under --root that have a readable eval.json
+    holding column; the others are skipped, saying why unless quiet."""
+    names = [n for n in (sorted(os.listdir(root)) if os.path.isdir(root) else []) if n.startswith(task + "-")
+             and os.path.exists(os.path.join(root, n, "eval.json"))]
+    rows = {}
+    for name in names:
+        ev, why = read_eval(os.path.join(root, name))
+        why = why and why + "; experiments.py over this --root (without --collect) evaluates it again"
+        if ev is not None and any(column not in r for r in ev["results"]):
+            ev, why = None, f"its eval.json has no {column} (evaluated on data without a test split?)"
+        if ev is None:
+            if not quiet:
+                print(f"skipped {name}: {why}")
+            continue
+        log = []
+        if os.path.exists(os.path.join(root, name, "log.jsonl")):
+            with open(os.path.join(root, name, "log.jsonl")) as f:
+                log = [json.loads(line) for line in f if line.endswith("\n")]  # a line cut short by a kill: left out
+        vals = [r["val_loss"] for r in log if "val_loss" in r]
+        tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
+        last = max((r.get("iter", 0) for r in log), default=0)
+        rule = name[len(task) + 1:].rpartition("-")[0]  # the run's name: <task>-<mixer or rule>-<seed>
+        row = {"mixer": ev["mixer"], "step_rule": rule if rule in STEP_RULE_FLAGS else "",
+               "seed": str(ev["seed"]), "best_iter": ev["iter_num"],
+               "last_iter": last, "best_val_loss": f"{min(vals):.4f}" if vals else "",
+               "tok_s": f"{tok_s[len(tok_s) // 2]:.0f}" if tok_s else ""}
+        row.update({f"{c}@{r['length']}": f"{r[c]:.4f}" for r in ev["results"]
+                    for c in (column, "val_loss") if c in r})  # the lm task's val_loss beside its test_loss
+        rows[name] = row
+    return rows
 
 
 def collect_results():
+    """Each task's rows from --root merged into its table (one row per mixer or rule and seed), summed up and
+    plotted. A task with no run under --root keeps its table and plot as they are."""
     for task, (_, dataset, column) in TASKS.items():
-        names = [n for n in (sorted(os.listdir(root)) if os.path.isdir(root) else [])
-                 if n.startswith(task + "-") and os.path.exists(os.path.join(root, n, "eval.json"))]
-        if not names:  # no run of this task under --root: its table stays as it is
+        new = collected(task, column)
+        if not new:
             continue
-        out = results_dir or os.path.join("results", task)
-        path = os.path.join(out, f"{task}.csv")
-        rows = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                rows = {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
-                        for r in csv.DictReader(f)}
-        for name in names:
-            ev = json.load(open(os.path.join(root, name, "eval.json")))
-            log = [json.loads(line) for line in open(os.path.join(root, name, "log.jsonl"))]
-            vals = [r["val_loss"] for r in log if "val_loss" in r]
-            tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
-            last = max((r.get("iter", 0) for r in log), default=0)
-            rule = name[len(task) + 1:].rpartition("-")[0]  # the run's name: <task>-<mixer or rule>-<seed>
-            row = {"mixer": ev["mixer"], "step_rule": rule if rule in STEP_RULE_FLAGS else "",
-                   "seed": str(ev["seed"]), "best_iter": ev["iter_num"],
-                   "last_iter": last, "best_val_loss": f"{min(vals):.4f}" if vals else "",
-                   "tok_s": f"{tok_s[len(tok_s) // 2]:.0f}" if tok_s else ""}
-            if any(column not in r for r in ev["results"]):
-                print(f"skipped {name}: its eval.json has no {column} (evaluated on data without a test split?)")
-                continue
-            row.update({f"{c}@{r['length']}": f"{r[c]:.4f}" for r in ev["results"]
-                        for c in (column, "val_loss") if c in r})  # the lm task's val_loss beside its test_loss
-            rows[(row["mixer"], row["step_rule"], row["seed"])] = row
-        if not rows:
-            continue
-        os.makedirs(out, exist_ok=True)
+        path = results_path(task)
+        rows = read_table(path)
+        rows.update({(r["mixer"], r["step_rule"], r["seed"]): r for r in new.values()})
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         fields = list(dict.fromkeys(k for r in rows.values() for k in r))
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
             w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], r["step_rule"], int(r["seed"]))))
         print(summary(task, column, list(rows.values())))
-        plot(task, column, list(rows.values()), out)
+        plot(task, column, list(rows.values()), os.path.dirname(path))
 
 
 def by_mixer(rows, column):
@@ -306,6 +408,26 @@ def plot(task, column, rows, out):
 
 
 if __name__ == "__main__":
+    failed = []
     if not collect:
-        run_all()
-    collect_results()
+        todo = []
+        for r in runs():
+            ev, why = read_eval(r[3])
+            if ev is None:
+                todo.append(r)
+                if why:
+                    print(f"{r[3]}: {why}; the run is not done: it is evaluated again")
+        clash = "" if overwrite else replaced(todo)
+        if clash:  # before any work: the tables' rows are kept, nothing is trained
+            fail(clash)
+        failed = run_all(todo)
+    clash = "" if overwrite else replaced()
+    if clash:
+        print(f"error: {clash}", file=sys.stderr)
+    else:
+        collect_results()
+    if failed:
+        fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (their error above, their log in stdout.txt / "
+             "eval.txt there)")
+    if clash:
+        sys.exit(1)

@@ -55,6 +55,9 @@ transposed into an elementwise product, never a dot); the products that need a t
 the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers _bwd_wy_kernel wrote.
 """
 
+import math
+import numbers
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -646,7 +649,7 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
 # launch
 
 
-def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
+def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None):
     """A ValueError naming the first input that the kernels cannot take. Nothing here synchronises (the
     decoding step runs inside CUDA graphs), so unlike model.kla_chunkwise this does not check g <= 0; only
     cu_seqlens is read back (its layout returned, _check_cu_seqlens; None without it)."""
@@ -656,8 +659,13 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
                              "float16 or float32 (use model.kla_chunkwise for float64)")
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q must be (B, T, H, K) and v (B, T, H, V), got {tuple(q.shape)} and {tuple(v.shape)}")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"q is on {q.device}: the Triton kernels take CUDA tensors (model.kla_chunkwise runs on any "
+                         "device; TRITON_INTERPRET=1 runs the kernels on the CPU, slowly)")
     (B, T, H, K), V = q.shape, v.shape[-1]
     state_name = "state" if step else "initial_state"
+    if step and state is None:
+        raise ValueError("kla_step needs the state, a float32 tensor of shape (B, H, K, V) (zeros to start)")
     layout = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q)
     n_state = B if layout is None else layout[-1]  # (N, H, K, V) states with N packed sequences
     want = {"k": (B, T, H, K), "v": (B, T, H, V), "g": (B, T, H), "eta": (B, T, H), state_name: (n_state, H, K, V)}
@@ -673,8 +681,10 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None):
         raise ValueError(f"kla_step takes one token: q must be (B, 1, H, K), got T = {T}")
     if K > 128 or V > 1024:
         raise ValueError(f"head sizes K = {K}, V = {V}; the kernel supports K <= 128 and V <= 1024")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not (isinstance(eps, numbers.Real) and eps >= 0):
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number (None: K^-0.5), got {scale!r}")
     return layout
 
 
@@ -1040,7 +1050,7 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
     cu_seqlens (N + 1,) int32 / int64: N sequences packed in a batch of 1, sequence n at tokens
     cu_seqlens[n]:cu_seqlens[n + 1], from initial_state[n] ((N, H, K, V), or zeros), final state (N, H, K, V);
     read back to the host (not in CUDA graphs)."""
-    layout = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens)
+    layout = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens, scale=scale)
     q, k, v = (x.contiguous() for x in _common_dtype(q, k, v))
     g, eta = g.float().contiguous(), eta.float().contiguous()
     h0 = None if initial_state is None else initial_state.float().contiguous()
@@ -1059,7 +1069,7 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out
     (B, H, K, V) float32. Returns (o (B, 1, H, V), new state). out_state: a contiguous float32 (B, H, K, V)
     tensor to write the new state into, which may be state itself (each program reads its block of the
     state before it writes it). No host synchronisation: capturable in a CUDA graph. Not differentiable."""
-    _check(q, k, v, g, eta, state, eps, step=True)
+    _check(q, k, v, g, eta, state, eps, step=True, scale=scale)
     q, k, v = _common_dtype(q, k, v)
     B, _, H, K = q.shape
     V = v.shape[-1]

@@ -24,6 +24,7 @@ alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES)
 """
 
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 # states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
 
 
-def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0, cu_seqlens=None):
+def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0, cu_seqlens=None, scale=None):
     """Raise a ValueError naming the first input that breaks the contract; last, g <= 0 (a value check:
     on a GPU it waits for the data). Returns cu_seqlens as a list (None without it)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
@@ -70,9 +71,11 @@ def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0, cu_seqlens=None):
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if (g > 0).any():
+    if not (isinstance(eps, numbers.Real) and eps >= 0):
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number (None: K^-0.5), got {scale!r}")
+    if (g > 0).any():  # NaN passes, as NaN weights make it in training: the loss is then NaN, which train.py reports
         raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
     return bounds
 
@@ -156,7 +159,7 @@ def kla_recurrent(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
     cu_seqlens (N + 1,): q etc. hold N sequences packed in a batch of 1, sequence n at tokens
     cu_seqlens[n]:cu_seqlens[n + 1], starting from initial_state[n] ((N, H, K, V), or zeros); the final
     state is then (N, H, K, V). The same in kla_chunkwise."""
-    bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
+    bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens, scale)
     if bounds is not None:
         return _per_sequence(kla_recurrent, bounds, q, k, v, g, eta, initial_state, output_final_state,
                              eps=eps, scale=scale, kaczmarz=kaczmarz, rule=rule)
@@ -187,7 +190,7 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
         S = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
     The parts of U that do not depend on S0 are solved for all chunks at once; only the short
     recurrence over S is sequential."""
-    bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens)
+    bounds = check_inputs(q, k, v, g, eta, initial_state, eps, cu_seqlens, scale)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if bounds is not None:

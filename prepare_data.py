@@ -51,6 +51,7 @@ DATASETS = ("shakespeare_char", "shakespeare", STDLIB_TEXT, CODE_TEXT, "fineweb_
 SPLITS = ("train", "val", "test")
 VAL_FRACTION = TEST_FRACTION = 0.05  # of the tokens, in whole documents
 SPLIT_SEED = 0  # the shuffle that decides which documents are val and test
+GENERATE_BYTES_PER_TOKEN = 26  # the synthetic generators' peak memory per token of a split (measured: 20 to 25)
 FINEWEB = ("HuggingFaceFW/fineweb-edu", "sample-10BT")  # the smallest official sample, 10B tokens
 
 # -----------------------------------------------------------------------------
@@ -154,39 +155,79 @@ def split_documents(lengths, seed=SPLIT_SEED):
     return split
 
 
-def begin_dataset(out_dir):
-    """Make out_dir and remove its meta.json: the dataset is incomplete until the new one is written, last."""
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, "meta.json")):
-        os.remove(os.path.join(out_dir, "meta.json"))
+def write_tmp(path, data):
+    """data (a numpy array, or a dict as JSON) in full to path + ".tmp", flushed to the disk; the temporary file is
+    removed again if that fails (a full disk). Returns its path."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w" if isinstance(data, dict) else "wb") as f:
+            if isinstance(data, dict):
+                json.dump(data, f, indent=1)
+            else:
+                data.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+    return tmp
 
 
 def write_file(path, data):
-    """data (a numpy array, or a dict as JSON) to path through a temporary file renamed over it: a reader never
-    sees a file half written, and a run that holds the old file open (train.py keeps its data files open) goes on
-    reading the old one."""
-    if isinstance(data, dict):
-        with open(path + ".tmp", "w") as f:
-            json.dump(data, f, indent=1)
-    else:
-        data.tofile(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """data to path through a temporary file renamed over it (as train.py writes its checkpoints): a reader never
+    sees a file half written, a write that fails leaves the old file as it was, and a run that holds the old file
+    open (train.py keeps its data files open) goes on reading the old one. evaluate.py writes eval.json with it."""
+    os.replace(write_tmp(path, data), path)
+
+
+class NewDataset:
+    """The files of a dataset being (re)written into out_dir: each is written in full beside the old one
+    (<name>.tmp), and only once every one is (commit) is the old meta.json removed, each renamed over the old file
+    and the new meta.json written last. A failure before (out of memory, a full disk, Ctrl-C) removes the
+    temporary files and leaves the old dataset as it was; a dataset whose meta.json exists is complete (train.py
+    relies on this); a run that holds the old files open goes on reading them."""
+
+    def __init__(self, out_dir):
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            sys.exit(f"error: {out_dir} is a file, not a folder: choose another --data_dir")
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.staged = out_dir, []
+
+    def write(self, name, data):
+        self.staged.append(write_tmp(os.path.join(self.out_dir, name), data))
+
+    def commit(self, meta):
+        meta_path = os.path.join(self.out_dir, "meta.json")
+        if os.path.exists(meta_path):
+            os.remove(meta_path)
+        for tmp in self.staged:
+            os.replace(tmp, tmp[:-len(".tmp")])
+        write_file(meta_path, meta)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for tmp in self.staged:  # those not renamed: the preparation failed before commit
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def write_dataset(out_dir, documents, meta):
     """documents: the token ids of each document, in corpus order. Whole documents go to train.bin, val.bin and
-    test.bin (split_documents), each split's in corpus order. meta.json is written last, so a dataset whose
-    meta.json exists is complete (train.py relies on this)."""
+    test.bin (split_documents), each split's in corpus order, replacing the old dataset only once the new one is
+    complete (NewDataset)."""
     dtype = np.uint16 if meta["vocab_size"] <= 2 ** 16 else np.uint32
     which = split_documents([len(d) for d in documents])
-    begin_dataset(out_dir)
     meta = dict(meta, dtype=np.dtype(dtype).name)
-    for k, split in enumerate(SPLITS):
-        docs = [np.asarray(d, dtype=dtype) for d, w in zip(documents, which) if w == k]
-        ids = np.concatenate(docs)
-        write_file(os.path.join(out_dir, f"{split}.bin"), ids)
-        meta[f"{split}_tokens"], meta[f"{split}_documents"] = len(ids), len(docs)
-    write_file(os.path.join(out_dir, "meta.json"), meta)
+    with NewDataset(out_dir) as new:
+        for k, split in enumerate(SPLITS):
+            docs = [np.asarray(d, dtype=dtype) for d, w in zip(documents, which) if w == k]
+            ids = np.concatenate(docs)
+            new.write(f"{split}.bin", ids)
+            meta[f"{split}_tokens"], meta[f"{split}_documents"] = len(ids), len(docs)
+        new.commit(meta)
     print(f"wrote {out_dir}: " + ", ".join(f"{meta[s + '_tokens']:,} {s} tokens ({meta[s + '_documents']:,} documents)"
                                            for s in SPLITS) + f", {meta['dtype']}, vocab {meta['vocab_size']:,}")
 
@@ -321,6 +362,14 @@ def palindrome_examples(n, length, vocab, rng):
     return full[:, :length], y
 
 
+def physical_memory():
+    """This machine's memory in bytes; 0 where the OS does not say (Windows)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def prepare_synthetic(out_dir, train_length, test_lengths, task="recall", n_train=20_000, n_val=2_000, n_test=2_000,
                       vocab=8192, seed=42, **task_args):
     """train/val at train_length, and one test set per length in test_lengths (a separate set at the
@@ -331,16 +380,21 @@ def prepare_synthetic(out_dir, train_length, test_lengths, task="recall", n_trai
     (int16, -1 where no answer is asked), split in train, val, test_<length>; meta.json has example_length, so
     train.py draws whole examples."""
     generate = {"recall": recall_examples, "stack": stack_examples, "palindrome": palindrome_examples}[task]
-    begin_dataset(out_dir)
     splits = [("train", n_train, train_length), ("val", n_val, train_length)]
     splits += [(f"test_{length}", n_test, length) for length in test_lengths]
-    for i, (split, n, length) in enumerate(splits):
-        x, y = generate(n, length, vocab=vocab, rng=np.random.default_rng([seed, i]), **task_args)
-        write_file(os.path.join(out_dir, f"{split}.bin"), x.astype(np.uint16))
-        write_file(os.path.join(out_dir, f"{split}_labels.bin"), y.astype(np.int16))
-    meta = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length, "task": task,
-            **task_args, "n_train": n_train, "test_lengths": list(test_lengths), "seed": seed}
-    write_file(os.path.join(out_dir, "meta.json"), meta)
+    need, memory = GENERATE_BYTES_PER_TOKEN * max(n * length for _, n, length in splits), physical_memory()
+    if memory and need > memory:  # refused before anything is allocated or written
+        sys.exit(f"error: n_train = {n_train}: generating {out_dir} needs about {need / 1e9:,.0f} GB of memory "
+                 f"({GENERATE_BYTES_PER_TOKEN} bytes a token), and this machine has {memory / 1e9:,.0f} GB; "
+                 "choose a smaller --n_train")
+    with NewDataset(out_dir) as new:
+        for i, (split, n, length) in enumerate(splits):
+            x, y = generate(n, length, vocab=vocab, rng=np.random.default_rng([seed, i]), **task_args)
+            new.write(f"{split}.bin", x.astype(np.uint16))
+            new.write(f"{split}_labels.bin", y.astype(np.int16))
+            del x, y  # freed before the next split is generated
+        new.commit({"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16", "example_length": train_length,
+                    "task": task, **task_args, "n_train": n_train, "test_lengths": list(test_lengths), "seed": seed})
     print(f"wrote {out_dir}: {task}, {n_train:,} train and {n_val:,} val examples of {train_length} tokens, "
           f"{n_test:,} test examples at each of {', '.join(map(str, test_lengths))} tokens"
           + "".join(f"; {k} {v}" for k, v in task_args.items()))
@@ -399,19 +453,28 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
     number of training examples (0: the authors' 20,000)."""
     if dataset not in DATASETS:
         sys.exit(f"error: unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        sys.exit(f"error: data_dir = {data_dir!r} is a file: it must be a folder (made if missing)")
     out_dir = os.path.join(data_dir, dataset)
-    if dataset in SYNTHETIC:
-        prepare_synthetic(out_dir, **SYNTHETIC[dataset], **({"n_train": n_train} if n_train else {}))
-    elif dataset == "fineweb_edu":
-        prepare_fineweb_edu(out_dir, max_tokens)
-    elif dataset == "shakespeare":
-        prepare_bpe(out_dir, shakespeare_plays(source_dir))
-    elif dataset == STDLIB_TEXT:
-        prepare_bpe(out_dir, python_stdlib_files(source_dir))
-    elif dataset == CODE_TEXT:
-        prepare_bpe(out_dir, python_code_files(source_dir))
-    else:
-        prepare_shakespeare_char(out_dir, shakespeare_plays(source_dir))
+    try:
+        if dataset in SYNTHETIC:
+            prepare_synthetic(out_dir, **SYNTHETIC[dataset], **({"n_train": n_train} if n_train else {}))
+        elif dataset == "fineweb_edu":
+            prepare_fineweb_edu(out_dir, max_tokens)
+        elif dataset == "shakespeare":
+            prepare_bpe(out_dir, shakespeare_plays(source_dir))
+        elif dataset == STDLIB_TEXT:
+            prepare_bpe(out_dir, python_stdlib_files(source_dir))
+        elif dataset == CODE_TEXT:
+            prepare_bpe(out_dir, python_code_files(source_dir))
+        else:
+            prepare_shakespeare_char(out_dir, shakespeare_plays(source_dir))
+    except MemoryError:  # NewDataset has removed what it wrote: the old dataset is as it was
+        sys.exit(f"error: not enough memory to prepare {out_dir}" + (f" with n_train = {n_train}" if n_train else "")
+                 + "; the dataset there, if any, is left as it was")
+    except OSError as err:  # a full disk, a folder that cannot be written
+        sys.exit(f"error: cannot prepare {out_dir}: {err.strerror or err}"
+                 + (f" ({err.filename})" if err.filename else "") + "; the dataset there, if any, is left as it was")
     return out_dir
 
 

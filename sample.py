@@ -45,9 +45,12 @@ def fail(msg):
 device_type = check_device(device, dtype)
 check("num_samples", num_samples >= 1, ">= 1")
 check("max_new_tokens", max_new_tokens >= 1, ">= 1")
-check("temperature", 0 <= temperature < math.inf, "a finite number >= 0 (0: greedy)")
+# logits are divided by it in float32: at 1e-4 logits up to 1e4 stay below 1e8, far from float32's 3.4e38, and
+# sampling below it is greedy in effect (a logit 0.01 below the top one is e^-100 times as likely)
+check("temperature", temperature == 0 or 1e-4 <= temperature < math.inf,
+      "a finite number >= 0 and, other than 0 (greedy), >= 1e-4 (below that sampling is greedy in effect)")
 check("top_k", top_k >= 0, ">= 0 (0: all tokens)")
-check("seed", seed >= 0, ">= 0")
+check("seed", 0 <= seed < 2**63, ">= 0 and < 2**63")
 torch.manual_seed(seed)
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
@@ -78,19 +81,26 @@ if start.startswith("FILE:"):
             start = f.read()
     except OSError as err:
         fail(f"cannot read the prompt file {start[5:]}: {err.strerror}")
+    except UnicodeDecodeError:
+        fail(f"cannot read the prompt file {start[5:]}: not UTF-8 text")
 try:
     start_ids = encode(start)
 except ValueError as err:
-    fail(f"the prompt has {err}")
+    fail(f"cannot encode the prompt ({err})")
 if not start_ids:
     fail("the prompt is empty; give at least one token with --start=...")
+vocab_size = model.config.vocab_size
+bad = [i for i in start_ids if not 0 <= i < vocab_size]  # token ids given as such (the datasets without a tokenizer)
+if bad:
+    fail(f"the prompt holds token id {bad[0]}; this model's token ids are 0..{vocab_size - 1}")
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+sep = " " if checkpoint["meta"]["tokenizer"] == "none" else ""  # token ids: the new ones apart from the prompt's
 
 t_prefill, t_decode = 0.0, 0.0
 with ctx:
     for _ in range(num_samples):
         ids, printed = [], ""
-        print(start, end="", flush=True)
+        print(start + sep, end="", flush=True)
         t0 = time.time()
         tokens = model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None, cuda_graph=use_graph)
         for i, tok in enumerate(tokens):

@@ -324,6 +324,8 @@ def test_input_errors_name_the_problem():
         ((q, k, v, g[..., :1], eta), {}, "g must be"),
         ((q, k, v, g, eta[:, :2]), {}, "eta must be"),
         ((q, k, v, -g, eta), {}, "g is a log decay"),
+        ((q, k, v, g, eta), {"scale": "0.3"}, "scale must be a finite number"),
+        ((q, k, v, g, eta), {"scale": float("inf")}, "scale must be a finite number"),
         ((q.long(), k, v, g, eta), {}, "q must be a floating-point"),
         ((q, k, v, g, eta), {"initial_state": h0[..., :2]}, "initial_state must be"),
         ((q[:, :0], k[:, :0], v[:, :0], g[:, :0], eta[:, :0]), {}, "empty"),
@@ -339,8 +341,10 @@ def test_reference_argument_errors():
     allowed range."""
     q, k, v, g, eta, _ = make_inputs(T=8)
     for fn in (kla_recurrent, kla_chunkwise):
-        with pytest.raises(ValueError, match=r"eps must be >= 0, got -1e-06"):
+        with pytest.raises(ValueError, match=r"eps must be a number >= 0, got -1e-06"):
             fn(q, k, v, g, eta, eps=-1e-6)
+        with pytest.raises(ValueError, match=r"eps must be a number >= 0, got '0'"):
+            fn(q, k, v, g, eta, eps="0")
         with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 8\)"):
             fn(q[:0], k[:0], v[:0], g[:0], eta[:0])
     for C in (0, -4):
@@ -922,17 +926,29 @@ def test_kernel_full_forgetting_and_strong_gates():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
 
 
-def test_kernel_argument_errors():
-    """eps < 0 and an empty batch: one ValueError from kla_chunk and kla_step before any work."""
+def test_kernel_argument_errors(monkeypatch):
+    """eps < 0, a scale that is not a finite number, an empty batch, no state for the step, and CPU tensors
+    outside Triton's interpreter: one ValueError from kla_chunk and kla_step before any work."""
     q, k, v, g, eta, h0 = make_inputs(1, 8, 2, 32, 16, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"eps must be >= 0, got -0.5"):
+    one = [x[:, :1] for x in (q, k, v, g, eta)]
+    with pytest.raises(ValueError, match=r"eps must be a number >= 0, got -0.5"):
         kernel.kla_chunk(q, k, v, g, eta, eps=-0.5)
-    with pytest.raises(ValueError, match=r"eps must be >= 0"):
-        kernel.kla_step(*(x[:, :1] for x in (q, k, v, g, eta)), h0, eps=-1.0)
+    with pytest.raises(ValueError, match=r"eps must be a number >= 0"):
+        kernel.kla_step(*one, h0, eps=-1.0)
+    with pytest.raises(ValueError, match=r"scale must be a finite number \(None: K\^-0.5\), got 'a'"):
+        kernel.kla_chunk(q, k, v, g, eta, scale="a")
+    with pytest.raises(ValueError, match=r"scale must be a finite number"):
+        kernel.kla_step(*one, h0, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"kla_step needs the state"):
+        kernel.kla_step(*one, None)
     with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 8\)"):
         kernel.kla_chunk(q[:0], k[:0], v[:0], g[:0], eta[:0])
     with pytest.raises(ValueError, match=r"empty: \(B, T\) = \(0, 1\)"):
         kernel.kla_step(*(x[:0, :1] for x in (q, k, v, g, eta)), h0[:0])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for call in (lambda: kernel.kla_chunk(q, k, v, g, eta), lambda: kernel.kla_step(*one, h0)):
+        with pytest.raises(ValueError, match=r"q is on cpu: the Triton kernels take CUDA tensors"):
+            call()
 
 
 def test_kernel_noncontiguous_no_grad_and_scale():
@@ -1606,8 +1622,8 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
     assert [json.loads(line)["iter"] for line in open(run_dir / "log.jsonl") if '"val_loss"' in line] == evals
     # a run that fails: its exit status and its last line in experiments.py's own output
     p = run(*exp, "--seeds=2", "--train_args=" + " ".join(small + ["--max_iters=0"]), timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert f"finished {root / 'mqar_small-kla-2'} (exit 2)\n    config error: max_iters = 0: must be >= 1" in p.stdout, p.stdout
+    assert_clean_error(p, f"error: 1 run(s) failed: {root / 'mqar_small-kla-2'}")
+    assert f"failed {root / 'mqar_small-kla-2'} (exit 2)\n    config error: max_iters = 0: must be >= 1" in p.stdout, p.stdout
 
 
 def test_experiments_leaves_a_run_in_use_alone(tmp_path):
@@ -2272,6 +2288,7 @@ def test_rerun_keeps_the_trained_model(trained, tiny_data, tmp_path):
     assert_clean_error(p, "ckpt.pt holds a trained model: continue it with --init_from=resume", "another --out_dir")
     p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--max_iters=8", "--init_from=resume")
     assert_clean_error(p, "ckpt.pt is at iteration 8, max_iters = 8: nothing left to train")
+    assert p.returncode == 3  # nothing left to train: experiments.py evaluates such a run
     for name in ("ckpt.pt", "log.jsonl"):
         assert (tmp_path / name).read_bytes() == open(os.path.join(trained, name), "rb").read(), name
 
@@ -2310,7 +2327,7 @@ def test_resume_of_an_ended_run(tiny_data, tmp_path):
     p = run("train.py", *args, "--learning_rate=3", "--max_iters=12")
     assert_clean_error(p, f"the run ended at max_iters = 12 (its best weights, of iteration {best}, are in",
                        "nothing left to train; set --max_iters higher")
-    assert files() == before
+    assert p.returncode == 3 and files() == before
     p = run("train.py", *args, "--learning_rate=3", "--max_iters=30", "--patience=1")
     assert p.returncode == 0 and "no better val loss in 1 evaluations" in p.stdout, p.stdout
     end = train_log(str(tmp_path))[-1]
@@ -2319,7 +2336,7 @@ def test_resume_of_an_ended_run(tiny_data, tmp_path):
     p = run("train.py", *args, "--learning_rate=3", "--max_iters=30", "--patience=1")
     assert_clean_error(p, f"the run stopped early at iteration {end['iter']}, no better val loss in 1 evaluations",
                        "nothing left to train at patience = 1; set --patience higher")
-    assert files() == before
+    assert p.returncode == 3 and files() == before
     p = run("train.py", *args, "--learning_rate=0", "--max_iters=30", "--patience=2")
     assert p.returncode == 0, p.stderr
 
@@ -2338,6 +2355,199 @@ def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path
     p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_interval=5",
             "--max_iters=10", "--learning_rate=0", "--decay_lr=False")
     assert p.returncode == 0 and (out / "ckpt.pt").exists(), p.stdout
+
+
+def test_resume_evaluates_past_a_checkpoint_between_evaluations(tiny_data, tmp_path):
+    """A checkpoint at an iteration that is not a multiple of eval_interval (a run of 25 iterations evaluated every
+    10 ends with one at 25): the resumed run's first evaluation (30) is of new weights and is saved when it is the
+    best, so that the checkpoint, the log's end record and a later resume agree; only an evaluation at the
+    checkpoint's own iteration re-reads it (here after a change of eval_interval)."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--decay_lr=False", "--eval_interval=10"]
+    assert run("train.py", *args, "--max_iters=25").returncode == 0
+    p = run("train.py", *args, "--max_iters=30", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    log = train_log(str(tmp_path))
+    evals = {r["iter"]: r["val_loss"] for r in log if "val_loss" in r}
+    assert evals[30] < min(v for it, v in evals.items() if 0 < it < 30), evals  # else the test proves nothing
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert (ckpt["iter_num"], ckpt["best_val_loss"]) == (30, evals[30])
+    assert list(evals) == [0, 10, 20, 25, 30] and log[-1] == {"iter": 30, "end": "max_iters", "patience": 0}
+    assert_clean_error(run("train.py", *args, "--max_iters=30", "--init_from=resume"),
+                       "ckpt.pt is at iteration 30, max_iters = 30: nothing left to train")
+    p = run("train.py", *args[:-1], "--eval_interval=15", "--max_iters=45", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    evals = {r["iter"]: r["val_loss"] for r in train_log(str(tmp_path)) if "val_loss" in r}
+    assert list(evals) == [0, 10, 20, 25, 30, 45], evals
+    best = min((it for it in evals if it > 0), key=evals.get)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert (ckpt["iter_num"], ckpt["best_val_loss"]) == (best, evals[best])
+
+
+def test_closing_sample_checks_its_tokenizer_before_training(tiny_data, tmp_path, monkeypatch):
+    """A run on BPE data whose encoding cannot be loaded (not in the cache, no network; here the character data
+    labelled as BPE, an empty cache and a proxy that refuses connections) stops before training when it is to end
+    with a sample, saying how to go on; with --sample_tokens=0 it trains."""
+    shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), tmp_path / "bpe")
+    meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
+    (tmp_path / "bpe" / "meta.json").write_text(json.dumps(dict(meta, tokenizer="tiktoken", encoding="r50k_base")))
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    args = [*TINY, f"--data_dir={tmp_path}", "--dataset=bpe", f"--out_dir={tmp_path / 'out'}", "--max_iters=2"]
+    p = run("train.py", *args, "--sample_tokens=5")
+    assert_clean_error(p, "sample_tokens = 5 needs the tiktoken encoding 'r50k_base'",
+                       "set --sample_tokens=0, or make the encoding available")
+    assert len(p.stderr.splitlines()) == 1 and "step 0" not in p.stdout, p.stderr
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    p = run("train.py", *args)
+    assert p.returncode == 0 and (tmp_path / "out" / "ckpt.pt").exists(), p.stderr
+
+
+def test_resume_in_another_dtype(tiny_data, tmp_path):
+    """A checkpoint trained in float32 (its loss scaler off, its state empty) resumes in float16 with a fresh
+    scale, and one trained in float16 resumes in float32, its scale unused."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--eval_interval=2",
+            "--always_save_checkpoint=True", "--init_from=resume"]
+    assert run("train.py", *args[:-1], "--max_iters=2").returncode == 0
+    p = run("train.py", *args, "--max_iters=4", "--dtype=float16")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 4 and ckpt["scaler"]["scale"] > 0
+    p = run("train.py", *args, "--max_iters=6")
+    assert p.returncode == 0, p.stderr
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 6 and ckpt["scaler"] == {}
+
+
+def test_sample_token_ids_of_a_dataset_without_a_tokenizer(trained, tmp_path):
+    """A model of a dataset without a tokenizer (the synthetic tasks: the prompt is token ids): an id outside the
+    vocabulary or text is one line naming it; ids in range are sampled from, the new ones apart from the prompt."""
+    ckpt = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    vocab = ckpt["model_args"]["vocab_size"]
+    ckpt["meta"] = {"vocab_size": vocab, "tokenizer": "none", "dtype": "uint16"}
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    cases = [(f"--start={vocab}", f"the prompt holds token id {vocab}; this model's token ids are 0..{vocab - 1}"),
+             ("--start=3 -1", "the prompt holds token id -1; this model's token ids are 0.."),
+             ("--start=ROMEO", "cannot encode the prompt (this dataset has no tokenizer")]
+    assert_each_is_one_line("sample.py", cases, f"--out_dir={tmp_path}", "--device=cpu", "--dtype=float32")
+    p = run("sample.py", f"--out_dir={tmp_path}", "--device=cpu", "--dtype=float32", f"--start=3 {vocab - 1}",
+            "--num_samples=1", "--max_new_tokens=4")
+    assert p.returncode == 0, p.stderr
+    ids = p.stdout.split("---------------")[0].splitlines()[-1].split()
+    assert ids[:2] == ["3", str(vocab - 1)] and len(ids) == 6 and all(0 <= int(i) < vocab for i in ids), p.stdout
+
+
+def test_bad_files_seeds_and_temperatures_are_one_line(trained, tmp_path):
+    """A prompt or config file that is not UTF-8 text, a seed beyond what torch takes (seed + rank < 2**64: seeds
+    in [0, 2**63)), a temperature so small that logits / temperature would overflow: one line each, before any
+    work (out_dir not made)."""
+    bad, cfg = tmp_path / "bad.txt", tmp_path / "bad_config.py"
+    bad.write_bytes(b"ROMEO:\xff\xfe\n")
+    cfg.write_bytes(b"max_iters = 2  # \xe9t\xe9\n")
+    huge = "99999999999999999999"
+    cases = [(f"--start=FILE:{bad}", f"cannot read the prompt file {bad}: not UTF-8 text"),
+             (str(cfg), f"cannot read config file {cfg}: not UTF-8 text"),
+             (f"--seed={huge}", f"seed = {huge}: must be >= 0 and < 2**63"),
+             (f"--seed={2**63}", "must be >= 0 and < 2**63"),
+             ("--temperature=1e-40", "temperature = 1e-40: must be a finite number >= 0 and, other than 0 (greedy), "
+                                     ">= 1e-4")]
+    assert_each_is_one_line("sample.py", cases, f"--out_dir={trained}", "--device=cpu", "--dtype=float32")
+    cases = [(str(cfg), f"cannot read config file {cfg}: not UTF-8 text"),
+             (f"--seed={huge}", f"seed = {huge}: must be >= 0 and < 2**63")]
+    assert_each_is_one_line("train.py", cases, *TINY, f"--data_dir={tmp_path / 'none'}", "--dataset=custom",
+                            f"--out_dir={tmp_path / 'out'}")
+    assert not (tmp_path / "out").exists()
+    p = run("sample.py", f"--out_dir={trained}", "--device=cpu", "--dtype=float32", "--temperature=1e-4",
+            f"--seed={2**63 - 1}", "--num_samples=1", "--max_new_tokens=8")
+    assert p.returncode == 0, p.stderr
+
+
+def test_log_write_failure_at_a_resume(trained, tiny_data, tmp_path):
+    """A full disk when a resumed run rewrites its log: one line, and the checkpoint and the log as they were, with
+    no temporary file left behind."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("ckpt.pt", "log.jsonl"):
+        shutil.copy(os.path.join(trained, name), out / name)
+    before = [(out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")]
+    sabotage = ("import builtins, errno, os, runpy, sys\n"
+                "real_open = builtins.open\n"
+                "def full_disk(file, mode='r', *args, **kw):\n"
+                "    f = real_open(file, mode, *args, **kw)\n"
+                "    if str(file).endswith('log.jsonl.tmp') and 'w' in mode:  # made, then nothing fits\n"
+                "        f.close()\n"
+                "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+                "    return f\n"
+                "builtins.open = full_disk\n"
+                f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+                "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    p = run("-c", sabotage, *TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--max_iters=12",
+            "--eval_interval=4", "--init_from=resume")
+    assert_clean_error(p, f"cannot write {out / 'log.jsonl'}: no space left on the device")
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+    assert [(out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")] == before
+
+
+def test_ctrl_c_stops_with_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
+    """SIGINT (Ctrl-C) while a run trains, saving a checkpoint at every iteration (so that an interrupt may land
+    in a write, which is then finished first): one line saying where it stopped and which iteration the checkpoint
+    holds, exit status 130, no temporary file; the checkpoint holds that iteration and the run resumes from it.
+    Before the first checkpoint the line says that none was saved."""
+    out = tmp_path / "out"
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_iters=1"]
+
+    def evaluated_past(it):
+        try:
+            return any(r["iter"] > it for r in train_log(out) if "val_loss" in r)
+        except (OSError, ValueError):  # no log yet, or a line being written
+            return False
+
+    def held(err):
+        """The iterations where the run stopped and of its checkpoint, from its one line."""
+        m = re.fullmatch(rf"interrupted at iteration (\d+); {re.escape(str(out / 'ckpt.pt'))} holds iteration (\d+) "
+                         r"\(continue with --init_from=resume\)\n", err)
+        assert m, err
+        return int(m[1]), int(m[2])
+    first = train_in_background(*args, "--max_iters=100000", "--eval_interval=100000")
+    wait_until(lambda: training(out))
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130 and re.fullmatch(
+        r"interrupted at iteration \d+; no checkpoint was saved yet \(run it again from scratch\)\n", err), err
+    shutil.rmtree(out)
+    args += ["--max_iters=100000", "--eval_interval=1", "--always_save_checkpoint=True"]
+    # Ctrl-C inside the write of the second checkpoint (iteration 2): the write is finished, then the run stops
+    interrupt = ("import os, runpy, signal, sys, torch\n"
+                 "save, calls = torch.save, [0]\n"
+                 "def interrupted(obj, f):\n"
+                 "    calls[0] += 1\n"
+                 "    if calls[0] == 2:\n"
+                 "        os.kill(os.getpid(), signal.SIGINT)\n"
+                 "    save(obj, f)\n"
+                 "torch.save = interrupted\n"
+                 f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    p = run("-c", interrupt, *args)
+    assert p.returncode == 130 and held(p.stderr) == (2, 2), p.stderr
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 2
+    # Ctrl-C at a random moment of a resumed run
+    proc = train_in_background(*args, "--init_from=resume")
+    wait_until(lambda: evaluated_past(3))  # it has saved at least once
+    time.sleep(random.Random(0).uniform(0.0, 0.05))
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    stopped, saved = held(err)
+    assert proc.returncode == 130 and 2 < saved <= stopped, err
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == saved
+    p = run("train.py", *args, f"--max_iters={saved + 2}", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == saved + 2
 
 
 def test_derived_defaults_follow_the_overrides(tiny_data, tmp_path):
@@ -2656,8 +2866,8 @@ def test_experiments_step_rule_ablation(tmp_path):
     assert json.loads(p.stdout.splitlines()[-1]) == [
         ["mqar_small", raw, 1, "R/mqar_small-raw-1"], ["mqar_small", raw, 2, "R/mqar_small-raw-2"],
         ["mqar_small", deltanet, 1, "R/mqar_small-deltanet-1"], ["mqar_small", deltanet, 2, "R/mqar_small-deltanet-2"]]
-    for args, phrase in ((["--mixers=kla,gdn", "--step_rules=raw"], "--mixers=kla or gdn, got 'kla,gdn'"),
-                         (["--mixers=kla", "--step_rules=sgd"], "unknown step rule 'sgd'")):
+    for args, phrase in ((["--mixers=kla,gdn", "--step_rules=raw"], "mixers = 'kla,gdn': must be one mixer"),
+                         (["--mixers=kla", "--step_rules=sgd"], "step_rules = 'sgd': must be step rules")):
         p = run("-c", f"import sys; sys.argv = ['experiments.py', *{args!r}]; import experiments; list(experiments.runs())")
         assert p.returncode != 0 and phrase in p.stderr, p.stderr
     root = tmp_path / "exp"
@@ -2884,6 +3094,164 @@ def test_experiments_collects_the_test_loss(tmp_path):
     assert [(r["mixer"], r["test_loss@512"], r["val_loss@512"]) for r in rows] == [("kla", "1.5000", "1.6000")]
     assert "skipped lm-gdn-1: its eval.json has no test_loss" in p.stdout and "| kla | 1 | 1.50 |" in p.stdout
     assert (tmp_path / "res" / "mqar.csv").read_text() == other and "mqar:" not in p.stdout
+
+
+def fake_run(run_dir, accuracy, iters=2):
+    """A run folder as experiments.py leaves it once evaluated (eval.json, log.jsonl), without training."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "eval.json").write_text(json.dumps({"mixer": "kla", "seed": 1, "iter_num": iters,
+                                                   "results": [{"length": 128, "accuracy": accuracy}]}))
+    (run_dir / "log.jsonl").write_text(json.dumps({"iter": iters, "val_loss": 1.0}) + "\n")
+
+
+def test_experiments_keeps_the_rows_of_other_runs(tmp_path):
+    """A results table's row is never replaced by another run's silently (a run under another --root, with other
+    settings): the call stops before any work, naming the row, and the table is left as it was; the same run
+    collected again, another --results_dir, or --overwrite=True go on."""
+    res, root = tmp_path / "res", tmp_path / "exp"
+    res.mkdir()
+    committed = "mixer,step_rule,seed,best_iter,last_iter,best_val_loss,tok_s,accuracy@128\nkla,,1,3000,3000,0.3000,,0.9000\n"
+    (res / "mqar_small.csv").write_text(committed)
+    fake_run(root / "mqar_small-kla-1", 0.5)
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={res}")
+    assert_clean_error(p, f"{res / 'mqar_small.csv'} already holds kla seed 1, from another run than "
+                          f"{root / 'mqar_small-kla-1'}", "--overwrite=True")
+    assert (res / "mqar_small.csv").read_text() == committed and len(p.stderr.splitlines()) == 1
+    # a run about to be trained for a row the table holds: refused before the data is prepared or the run started
+    new, data = tmp_path / "new", tmp_path / "data"
+    p = run("experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", f"--root={new}", f"--data_dir={data}",
+            f"--results_dir={res}", "--train_args=--max_iters=2")
+    assert_clean_error(p, f"already holds kla seed 1, from another run than {new / 'mqar_small-kla-1'}")
+    assert not new.exists() and not data.exists() and (res / "mqar_small.csv").read_text() == committed
+    for _ in range(2):  # into another table; then the same run again: the same row, no replacement
+        p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={tmp_path / 'other'}")
+        assert p.returncode == 0, p.stderr
+    assert [r["accuracy@128"] for r in csv.DictReader(open(tmp_path / "other" / "mqar_small.csv"))] == ["0.5000"]
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={res}", "--overwrite=True")
+    assert p.returncode == 0, p.stderr
+    assert [(r["seed"], r["accuracy@128"]) for r in csv.DictReader(open(res / "mqar_small.csv"))] == [("1", "0.5000")]
+
+
+def test_experiments_reports_a_failed_run_and_evaluates_an_unreadable_eval_again(tmp_path):
+    """A run whose train.py fails (here a resume refused: its checkpoint is of another n_layer) is reported with its
+    error line, neither evaluated nor collected, and experiments.py exits non-zero. A run whose eval.json cannot be
+    read (a write cut short by a full disk) is not done: evaluated again, and skipped by --collect, saying so."""
+    data, root, res = tmp_path / "data", tmp_path / "exp", tmp_path / "res"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    small = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=2",
+             "--eval_iters=1", "--device=cpu", "--dtype=float32", "--compile=False", "--max_iters=2"]
+    ended, other = root / "mqar_small-kla-1", root / "mqar_small-kla-2"
+    p = run("train.py", "config/mqar_small.py", "--mixer=kla", "--seed=1", f"--out_dir={ended}", f"--data_dir={data}",
+            "--sample_tokens=0", *small)
+    assert p.returncode == 0, p.stderr
+    (ended / "eval.json").write_text("")  # what an evaluate.py that wrote it in place left on a full disk
+    other.mkdir()
+    ckpt = torch.load(ended / "ckpt.pt", weights_only=True)
+    ckpt["model_args"]["n_layer"] = 2  # a run begun with --n_layer=2, stopped before its evaluation
+    torch.save(ckpt, other / "ckpt.pt")
+    p = run("experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1,2", "--jobs=2", f"--root={root}",
+            f"--results_dir={res}", f"--data_dir={data}", "--eval_args=--max_examples=4 --device=cpu",
+            "--train_args=" + " ".join(small))
+    assert_clean_error(p, f"error: 1 run(s) failed: {other} (their error above")
+    assert f"{ended}: its eval.json is unreadable (JSONDecodeError" in p.stdout, p.stdout
+    assert f"failed {other} (exit 1)\n    error: {other / 'ckpt.pt'} is a checkpoint of another model" in p.stdout
+    assert "nothing left to train" in p.stdout and "evaluated 1 runs" in p.stdout, p.stdout
+    assert json.loads((ended / "eval.json").read_text())["iter_num"] == 2
+    assert not (other / "eval.txt").exists() and not (other / "eval.json").exists()
+    assert [(r["seed"], r["best_iter"]) for r in csv.DictReader(open(res / "mqar_small.csv"))] == [("1", "2")]
+    (root / "mqar_small-kla-3").mkdir()
+    (root / "mqar_small-kla-3" / "eval.json").write_text('{"mixer": "kla", "se')
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={res}")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "skipped mqar_small-kla-3: its eval.json is unreadable (JSONDecodeError" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("arg,phrase", [("--tasks=foo", "tasks = 'foo': must be tasks separated by commas, from mqar"),
+                                        ("--seeds=a", "seeds = 'a': must be integers >= 0"),
+                                        ("--seeds=-1", "seeds = '-1'"),
+                                        ("--step_rules=foo", "step_rules = 'foo': must be step rules"),
+                                        ("--jobs=0", "jobs = 0: must be >= 1"),
+                                        ("--deadline=-1", "deadline = -1: must be >= 0"),
+                                        ("--mixers=foo", "mixers = 'foo': must be mixers separated by commas"),
+                                        ("--gpus=x", "gpus = 'x'"), ("--n_train=-1", "n_train = -1")])
+def test_experiments_settings_are_checked_before_any_work(tmp_path, arg, phrase):
+    root, data = tmp_path / "exp", tmp_path / "data"
+    p = run("experiments.py", "--tasks=mqar_small", f"--root={root}", f"--data_dir={data}",
+            f"--results_dir={tmp_path / 'res'}", arg, timeout=30)
+    assert_clean_error(p, phrase)
+    assert len(p.stderr.splitlines()) == 1 and not root.exists() and not data.exists() and not (tmp_path / "res").exists()
+
+
+def test_evaluate_writes_eval_json_atomically(trained, tmp_path):
+    """A full disk while evaluate.py writes eval.json (its temporary file sent to /dev/full): one line, and no
+    eval.json cut short: the old one as it was, or none; no temporary file left."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    cases = []
+    for name, old in (("old", "the old eval.json"), ("none", None)):
+        out = tmp_path / name
+        out.mkdir()
+        shutil.copy(os.path.join(trained, "ckpt.pt"), out / "ckpt.pt")
+        if old:
+            (out / "eval.json").write_text(old)
+        (out / "eval.json.tmp").symlink_to("/dev/full")
+        cases.append([f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--factors=1", "--eval_batches=1",
+                      "--batch_size=2"])
+    for (code, err), name in zip(run_each("evaluate.py", cases), ("old", "none"), strict=True):
+        assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert f"cannot write {tmp_path / name / 'eval.json'}: No space left on device" in err, err
+        assert not os.path.lexists(tmp_path / name / "eval.json.tmp")
+    assert (tmp_path / "old" / "eval.json").read_text() == "the old eval.json"
+    assert not (tmp_path / "none" / "eval.json").exists()
+
+
+def test_evaluate_checks_every_window_before_any_evaluation(trained):
+    """A factor too large for a split is refused before the first length is evaluated, naming the factors allowed."""
+    p = run("evaluate.py", f"--out_dir={trained}", "--device=cpu", "--dtype=float32", "--factors=1,2,100000",
+            "--eval_batches=1", "--batch_size=2")
+    assert_clean_error(p, "factors = '1,2,100000': the test split holds", "too few for windows of 1600000 "
+                          "(factor 100000 x block_size 16); the factors it allows are 1 to ")
+    assert len(p.stderr.splitlines()) == 1 and "| length |" not in p.stdout
+
+
+def test_prepare_data_errors_keep_the_old_dataset(tmp_path, monkeypatch):
+    """prepare_data.py: a data_dir that is a file, or an n_train whose examples cannot fit in memory, is one line
+    before any work; a preparation that fails half-way (out of memory, a full disk) leaves the old dataset as it
+    was, without temporary files."""
+    (tmp_path / "ok.txt").write_text("")
+    assert_clean_error(run("prepare_data.py", f"--data_dir={tmp_path / 'ok.txt'}"),
+                       f"data_dir = '{tmp_path / 'ok.txt'}' is a file: it must be a folder")
+    data = tmp_path / "data"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    files = lambda: {f.name: f.read_bytes() for f in (data / "mqar_small").iterdir()}
+    before = files()
+    p = run("prepare_data.py", "--dataset=mqar_small", f"--data_dir={data}", f"--n_train={10 ** 12}")
+    assert_clean_error(p, "n_train = 1000000000000: generating", "GB of memory", "choose a smaller --n_train")
+    assert len(p.stderr.splitlines()) == 1 and files() == before
+    generate, write_tmp = prepare_data.recall_examples, prepare_data.write_tmp
+    calls = []
+
+    def out_of_memory(*args, **kw):  # the first test set
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError
+        return generate(*args, **kw)
+
+    def disk_full(*args):  # the fifth file
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return write_tmp(*args)
+
+    for name, fake, phrase in (("recall_examples", out_of_memory, "not enough memory to prepare"),
+                               ("write_tmp", disk_full, "cannot prepare")):
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(prepare_data, name, fake)
+            with pytest.raises(SystemExit) as e:
+                prepare_data.prepare("mqar_small", str(data), n_train=50)
+        assert phrase in str(e.value.code) and "the dataset there, if any, is left as it was" in str(e.value.code)
+        assert files() == before
 
 
 # -----------------------------------------------------------------------------

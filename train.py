@@ -26,9 +26,10 @@ import errno
 import json
 import math
 import random
+import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -105,6 +106,9 @@ compile = False  # torch.compile the model
 config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------
+
+
+NOTHING_LEFT = 3  # the exit status of a resume with nothing left to train (experiments.py then evaluates the run)
 
 
 def fail(msg, status=1):
@@ -193,7 +197,7 @@ check("warmup_iters", warmup_iters >= 0, ">= 0")
 check("lr_decay_iters", lr_decay_iters >= 0, ">= 0 (0: max_iters)")
 check("min_lr", min_lr == -1 or 0 <= min_lr and (min_lr <= learning_rate or not decay_lr),
       f"in [0, learning_rate = {learning_rate:g}] (-1: learning_rate / 10)")
-check("seed", seed >= 0, ">= 0")
+check("seed", 0 <= seed < 2**63, ">= 0 and < 2**63")  # torch.manual_seed takes seed + rank below 2**64
 # defaults derived from other settings, resolved after the overrides so that they follow them
 min_lr = learning_rate / 10 if min_lr == -1 else min_lr
 lr_decay_iters = lr_decay_iters or max_iters
@@ -272,6 +276,17 @@ if documents and eot is None:
          "synthetic tasks have none")
 if example_length and block_size != example_length:
     fail(f"{data_path} holds examples of {example_length} tokens: set --block_size={example_length}")
+# the closing sample is decoded with the data's BPE encoding: one that cannot be loaded (not cached, and offline)
+# stops the run here, not after training
+if master_process and sample_tokens > 0 and meta.get("tokenizer") == "tiktoken":
+    try:
+        import tiktoken
+        tiktoken.get_encoding(meta["encoding"])
+    except Exception as err:  # ImportError, KeyError, or the BPE file neither cached nor downloadable
+        fail(f"sample_tokens = {sample_tokens} needs the tiktoken encoding {meta.get('encoding')!r} of {data_path}, "
+             f"which cannot be loaded ({type(err).__name__}: {(str(err).splitlines() or [''])[0]}); set "
+             "--sample_tokens=0, or make the encoding available (pip install tiktoken; offline, set "
+             "TIKTOKEN_CACHE_DIR to a cache that holds it)")
 if not example_length and not os.path.exists(os.path.join(data_path, "test.bin")):  # evaluate.py reports test
     fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py --dataset={dataset}), "
          "which splits it by document into train, val and test")
@@ -346,6 +361,7 @@ def get_batch(split, key):
 
 # model
 iter_num, best_val_loss, evals_since_best = 0, float("inf"), 0
+saved_iter = None  # the iteration whose weights ckpt_path holds; None: no checkpoint yet
 if init_from == "resume":
     try:
         checkpoint = read_checkpoint(ckpt_path)  # on the CPU (RNG states there; weights moved below)
@@ -369,20 +385,21 @@ if init_from == "resume":
              "data (--dataset, --data_dir), or train a new run into another --out_dir")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_since_best = checkpoint.get("evals_since_best", 0)
+    saved_iter = iter_num
     if iter_num >= max_iters:
         fail(f"{ckpt_path} is at iteration {iter_num}, max_iters = {max_iters}: nothing left to train; "
-             "set --max_iters higher")
+             "set --max_iters higher", NOTHING_LEFT)
     # a run that ended keeps its best weights, often of an earlier iteration than its end: going on from them
     # would train again what the run has done, so only a higher max_iters or patience continues it
     end = run_end(log_path)
     best = f"its best weights, of iteration {iter_num}, are in {ckpt_path}"
     if end and end["end"] == "max_iters" and end["iter"] >= max_iters:
         fail(f"{out_dir}: the run ended at max_iters = {end['iter']} ({best}): nothing left to train; "
-             "set --max_iters higher")
+             "set --max_iters higher", NOTHING_LEFT)
     if end and end["end"] == "early stop" and 0 < patience <= end["patience"]:
         fail(f"{out_dir}: the run stopped early at iteration {end['iter']}, no better val loss in {end['patience']} "
              f"evaluations ({best}): nothing left to train at patience = {patience}; set --patience higher "
-             "(0: never stop early)")
+             "(0: never stop early)", NOTHING_LEFT)
 try:
     gptconf = GPTConfig(**model_args)
 except ValueError as err:
@@ -408,7 +425,8 @@ if init_from == "resume":
     optimizer.load_state_dict(checkpoint["optimizer"])
     if any(t.dim() and t.shape != p.shape for p in model.parameters() for t in optimizer.state.get(p, {}).values()):
         fail(f"{ckpt_path}: its optimizer state does not match the model's weights (another version of train.py?)")
-    scaler.load_state_dict(checkpoint["scaler"])
+    if scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved by a run not in float16: a fresh scale
+        scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
     random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
     np.random.set_state(("MT19937", rng["numpy"][0].numpy().astype(np.uint32), *rng["numpy"][1:]))
@@ -478,26 +496,29 @@ def save_checkpoint():
     }
     if not all(torch.isfinite(t).all() for t in obj["model"].values() if t.is_floating_point()):
         fail(f"the weights are not finite at iteration {iter_num}; {ckpt_path} keeps the last good ones")
+    global saved_iter
     tmp = ckpt_path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, ckpt_path)
-        dir_fd = os.open(out_dir, os.O_RDONLY)
+    with uninterrupted():
         try:
-            os.fsync(dir_fd)  # makes the rename itself durable
-        finally:
-            os.close(dir_fd)
-    except BaseException as err:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if not isinstance(err, OSError):
-            raise
-        why = "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
-        fail(f"cannot write {ckpt_path} at iteration {iter_num}: {why}; the last checkpoint saved is untouched"
-             + ("; free some space, then continue with --init_from=resume" if err.errno == errno.ENOSPC else ""))
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, ckpt_path)
+            dir_fd = os.open(out_dir, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # makes the rename itself durable
+            finally:
+                os.close(dir_fd)
+        except BaseException as err:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            if not isinstance(err, OSError):
+                raise
+            fail(f"cannot write {ckpt_path} at iteration {iter_num}: {write_error(err)}; the last checkpoint saved is "
+                 "untouched" + ("; free some space, then continue with --init_from=resume" if err.errno == errno.ENOSPC
+                                else ""))
+        saved_iter = iter_num
 
 
 def log(record):
@@ -506,23 +527,67 @@ def log(record):
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
     except OSError as err:
-        fail(f"cannot write {log_path}: {err.strerror}")
+        fail(f"cannot write {log_path}: {write_error(err)}")
 
 
+def write_error(err):
+    """Why a write failed, for the one-line error."""
+    return "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
+
+
+sigint_held = []  # non-empty while a file is being replaced; a Ctrl-C then waits for the end of the write
+
+
+def on_sigint(signum, frame):
+    """Ctrl-C: one line saying where the run stopped and what its checkpoint holds, and exit status 130 (a
+    shell's for an interrupted command), instead of a KeyboardInterrupt traceback. During a checkpoint or log
+    write it waits for the write to end (uninterrupted), so that the file is the new one or the old one."""
+    if sigint_held:
+        sigint_held.append(signum)
+        return
+    if master_process:
+        held = (f"{ckpt_path} holds iteration {saved_iter} (continue with --init_from=resume)" if saved_iter is not None
+                else "no checkpoint was saved yet (run it again from scratch)")
+        print(f"interrupted at iteration {iter_num}; {held}", file=sys.stderr, flush=True)
+    unlock_out_dir()
+    sys.exit(130)  # 128 + SIGINT
+
+
+@contextmanager
+def uninterrupted():
+    """A write that a Ctrl-C does not cut short: the interrupt, if one came, takes effect once it is done."""
+    sigint_held.append(None)
+    try:
+        yield
+    finally:
+        came = len(sigint_held) > 1
+        sigint_held.clear()
+    if came:
+        on_sigint(signal.SIGINT, None)
+
+
+signal.signal(signal.SIGINT, on_sigint)
 if master_process:
     # a new run starts a new log; a resumed one keeps the records of the iterations before its checkpoint's,
     # so that the log is that of the run it continues (a killed run may have logged past its last checkpoint)
     kept = []
     if init_from == "resume" and os.path.exists(log_path):
-        for line in open(log_path):
+        for line in open(log_path, errors="replace"):
             try:
                 if line.endswith("\n") and json.loads(line)["iter"] < iter_num:
                     kept.append(line)
             except (ValueError, KeyError, TypeError):  # a line cut short by a kill
                 pass
-    with open(log_path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(log_path + ".tmp", log_path)
+    tmp = log_path + ".tmp"
+    try:
+        with uninterrupted():
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, log_path)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        fail(f"cannot write {log_path}: {write_error(err)}")
 
 
 # MFU is measured against the bf16 dense peak of the GPU found; unknown GPUs and CPUs print n/a
@@ -564,13 +629,15 @@ def check_steps():
 X, Y, cu_seqlens = get_batch("train", (0, iter_num, rank * gradient_accumulation_steps))
 steps = []  # (iteration, its loss and gradient norm on the device) since the last check_steps
 t0, n_timed = time.time(), 0  # the time per iteration is measured over the iterations between two log lines
-resumed_eval = init_from == "resume"  # the first evaluation of a resumed run: the checkpoint's weights
+resumed_at = iter_num if init_from == "resume" else None  # the checkpoint's iteration, evaluated before its save
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    # a resumed run evaluates its checkpoint again, also between eval_interval's iterations: the log it continues
+    # then has that evaluation whatever its eval_interval (the records from the checkpoint's iteration on are new)
+    if iter_num % eval_interval == 0 or iter_num in (max_iters, resumed_at):
         check_steps()
         if master_process:
             losses = estimate_loss()
@@ -578,15 +645,14 @@ while True:
             log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
             if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
                 fail(f"the evaluation loss is not finite at iteration {iter_num}; the checkpoint was not overwritten")
-            # iteration 0 is the untrained model, and a resumed run's first evaluation re-reads its checkpoint:
-            # neither is a new best or a step without one
-            if iter_num > 0 and not resumed_eval:
+            # iteration 0 is the untrained model, and an evaluation at a resumed checkpoint's own iteration
+            # re-reads its weights: neither is a new best or a step without one
+            if iter_num > 0 and iter_num != resumed_at:
                 evals_since_best = 0 if losses["val"] < best_val_loss else evals_since_best + 1
                 if losses["val"] < best_val_loss or always_save_checkpoint:
                     best_val_loss = min(best_val_loss, losses["val"])
                     save_checkpoint()
                     print(f"saved checkpoint to {ckpt_path}")
-            resumed_eval = False
         if patience:  # early stopping: the master decides, every process stops
             stop = torch.tensor(int(evals_since_best >= patience), device=device)
             if ddp:
