@@ -36,6 +36,7 @@ Sections (comma-separated; default kernel,decode):
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
 --pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
+An argument other than --smoke and these --KEY=VALUE (FLAGS) is refused in one line before any work, a typo too.
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
 (DIR defaults to $OUT). A whole-model section is a function of the same shape added to SECTIONS.
 fla raises in its gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640); for timing only, its guard is
@@ -860,6 +861,9 @@ def table(title, head, rows):
 
 
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+# every --key=value the sections read (beside --smoke): any other argument, a typo too, is refused before any work
+FLAGS = ("section", "out", "plot", "rows", "shapes", "start", "variants", "lengths", "mixers", "batch", "compile",
+         "compile_infer", "fla_lm", "fla_compile", "fla_v", "fuse_o", "decode_fused", "pdl")
 
 
 def plot(results, path):
@@ -925,9 +929,21 @@ def anchor_versions():
 
 def main():
     arg = lambda name, default: ARGS.get(name, default)
+    known = lambda a: a == "--smoke" or a.startswith("--") and "=" in a and a[2:].split("=", 1)[0] in FLAGS
+    unknown = [a for a in sys.argv[1:] if not known(a)]
+    if unknown:
+        sys.exit(f"error: unknown argument {unknown[0]!r}; bench.py takes --smoke and --KEY=VALUE with KEY one of "
+                 + ", ".join(FLAGS))
     if "plot" in ARGS:  # redraw the plot of an earlier run, no GPU needed
-        with open(ARGS["plot"]) as f:
-            return plot(json.load(f), os.path.splitext(ARGS["plot"])[0] + ".png")
+        try:
+            with open(ARGS["plot"]) as f:
+                results = json.load(f)
+            results["sections"], results["env"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            why = getattr(err, "strerror", None) or type(err).__name__
+            sys.exit(f"error: --plot={ARGS['plot']}: cannot read it as an earlier run's bench.json ({why}); "
+                     "give DIR/bench.json of a run with --out=DIR")
+        return plot(results, os.path.splitext(ARGS["plot"])[0] + ".png")
     names = arg("section", "kernel,decode").split(",")
     out = arg("out", os.environ.get("OUT"))
     smoke = "--smoke" in sys.argv

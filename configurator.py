@@ -11,6 +11,7 @@ and a non-zero exit before anything runs, not a silently ignored setting or a tr
 It also gives the script check() and check_device(), with which it checks the range of every setting
 right after the overrides, before any work: a value out of range is the same kind of one-line error.
 """
+import builtins
 import sys
 import types
 from ast import literal_eval
@@ -44,7 +45,10 @@ for _arg in sys.argv[1:]:
         print(f"Overriding config with {_arg}:\n{_src}")
         _file_globals = {"__file__": _arg}  # so that a config file can build on another beside it
         try:
-            exec(_src, _file_globals)
+            # compiled with its path, so that errors name the file (train.py's own `compile` setting hides the builtin)
+            exec(builtins.compile(_src, _arg, "exec"), _file_globals)
+        except SystemExit:  # sys.exit() in a config file: not a way to end the script that runs it
+            _config_error(f"config file {_arg} exited")
         except Exception as _err:
             _config_error(f"{_arg} failed: {type(_err).__name__}: {_err}")
         for _key, _val in _file_globals.items():

@@ -17,13 +17,15 @@ each document its own, the token after an end-of-text not predicted.
 
 $ python evaluate.py --out_dir=out-mqar-kla
 $ python evaluate.py --out_dir=out --factors=1,2,4,8,16 --eval_batches=20
-Prints a table and writes out_dir/eval.json.
+Prints a table and writes it to out_dir/eval.json, the run's result (experiments.py takes it as such); for a
+run that a train.py is still training, whose checkpoint is not its last, it only prints the table.
 """
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
 
 import json
+import signal
 import sys
 from contextlib import nullcontext
 
@@ -55,6 +57,32 @@ def fail(msg):
     sys.exit(1)
 
 
+def on_sigint(signum, frame):
+    """Ctrl-C: one line and exit status 130 (a shell's for an interrupted command), no traceback. eval.json is
+    written last and atomically: an interrupt before leaves the old one (or none), never one half written."""
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+def in_training(path):
+    """Whether a train.py holds the lock on the folder path that it holds while it trains (train.py's lock_out_dir).
+    The probe takes a shared lock, which train.py's exclusive one excludes, and lets go of it at once."""
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 device_type = check_device(device, dtype)
 check("batch_size", batch_size >= 1, ">= 1")
@@ -63,8 +91,14 @@ check("factors", all(f.strip().isdigit() and int(f) >= 1 for f in factors.split(
 check("eval_batches", eval_batches >= 1, ">= 1")
 check("max_examples", max_examples >= 0, ">= 0 (0: all)")
 check("seed", seed >= 0, ">= 0")
+signal.signal(signal.SIGINT, on_sigint)
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
+eval_path = os.path.join(out_dir, "eval.json")
+training = in_training(out_dir)  # its checkpoint is evaluated, but it is not the run's result
+if training:
+    print(f"{out_dir} is in use by a train.py that has not ended: the results are printed, {eval_path} is not written",
+          flush=True)
 try:
     checkpoint = read_checkpoint(ckpt_path, device)
     model = GPT.from_checkpoint(checkpoint, backend="auto").to(device).eval()  # the fastest path here
@@ -82,7 +116,8 @@ if documents or padded:  # the end-of-text token of the data read here
     except (OSError, ValueError, AttributeError):
         eot = None
     if eot is None:
-        fail(f"documents=True and padded=True need the end-of-text token that ends each document, and "
+        given = " and ".join(f"{k}=True" for k, v in (("documents", documents), ("padded", padded)) if v)
+        fail(f"{given} need{'' if documents and padded else 's'} the end-of-text token that ends each document, and "
              f"{data_path}/meta.json names none: prepare the data again (python prepare_data.py "
              f"--dataset={config['dataset']}); shakespeare_char and the synthetic tasks have none")
 if "test_lengths" not in meta:  # language modelling: the numbers reported come from the test split
@@ -220,9 +255,10 @@ print(f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c in 
       + "---|" * len(columns))
 for r in results:
     print(f"| {r['length']} | {r['length'] / block_size:g} | " + " | ".join(f"{r[c]:.4f}" for c in columns) + " |")
-try:  # atomically: a write cut short (a full disk) leaves no eval.json half written, and an old one as it was
-    write_file(os.path.join(out_dir, "eval.json"),
-               {"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"], "seed": config["seed"],
-                "iter_num": checkpoint["iter_num"], "documents": documents, "padded": padded, "results": results})
-except OSError as err:
-    fail(f"cannot write {os.path.join(out_dir, 'eval.json')}: {err.strerror}")
+if not training:
+    try:  # atomically: a write cut short (a full disk) leaves no eval.json half written, and an old one as it was
+        write_file(eval_path, {"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"],
+                               "seed": config["seed"], "iter_num": checkpoint["iter_num"], "documents": documents,
+                               "padded": padded, "results": results})
+    except OSError as err:
+        fail(f"cannot write {eval_path}: {err.strerror}")

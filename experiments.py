@@ -21,32 +21,46 @@ Tasks (their config file holds every hyper-parameter; flags after --train_args o
   mqar_small, stack_small, palindrome_small  config/<task>.py: CPU-sized versions, to check the pipeline
 --step_rules: the layer of the one mixer in --mixers with each step-size rule in turn (train.py --step_rule, model.py's
 STEP_RULES; 'deltanet' is the rule 'unit' with --decay=False), a run each named <task>-<rule>-<seed>.
-Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run whose
-eval.json exists is skipped, so seeds can be added later; one with a checkpoint but no eval.json (stopped or
-killed; or an eval.json that cannot be read, a write cut short) is resumed from it; if train.py had ended it (early
-stop or max_iters, its evaluation unfinished), train.py says there is nothing left to train and the run is
-evaluated. A run whose train.py fails otherwise (e.g. a resume refused: other model flags than its checkpoint's),
-or whose evaluate.py fails, is reported with its error line, neither evaluated nor collected, and experiments.py
-exits non-zero at the end. --deadline=S stops the training runs
-still going after S seconds (their best checkpoint so far is evaluated, and the iteration reached is recorded;
-with --eval_stopped=False they are left for the next call to resume, e.g. on a machine that keeps --root
-between calls). A SIGTERM (a scheduler's time limit, `kill`) does the same at once.
+Each run writes out-exp/<task>-<mixer>-<seed>/ (checkpoint, log.jsonl, eval.json, stdout.txt). A run that is done
+is skipped, so seeds can be added later. A run is done when it ended (the last record of its log.jsonl is an end
+record: train.py's at max_iters or an early stop, or the one this script adds for a run it stopped, below) and its
+eval.json evaluated the checkpoint it ended with (the same iteration). Any other run with a checkpoint is resumed
+from it: one stopped or killed, one whose eval.json cannot be read (a write cut short), was written while it still
+trained (evaluate.py run by hand mid-run) or is of an earlier checkpoint. If train.py had ended it, train.py says
+there is nothing left to train and the run is evaluated. A run whose train.py fails otherwise (e.g. a resume
+refused: other model flags than its checkpoint's), or whose evaluate.py fails, is reported with its error line,
+neither evaluated nor collected, and experiments.py exits non-zero at the end. --deadline=S stops the training runs
+still going after S seconds: their best checkpoint so far is evaluated, and their log.jsonl ends with
+{"iter": <the iteration reached>, "end": "deadline"}, which makes them done; with --eval_stopped=False they are
+left for the next call to resume, e.g. on a machine that keeps --root between calls. A SIGTERM (a scheduler's time
+limit, `kill`) does the same at once ("end": "SIGTERM"). Ctrl-C stops the runs as well, leaves them unevaluated
+for the next call to resume and exits with status 130.
 --data_dir=DIR --n_train=N: the datasets in DIR, prepared there with N training examples if missing.
+--tasks: by default mqar,sniah,lm; with --collect=True, every task that has a run under --root. Only the tasks of
+--tasks are collected, checked for clashes (below) and have their tables written: the others' are left as they are.
 results/<task>/<task>.csv (or --results_dir=DIR: DIR/<task>.csv) has one row per run (merged with the rows
 already there), its mixer and step_rule (empty: the mixer's own); <task>.png beside it plots the mean and spread
-over seeds per mixer (or rule) against the evaluation length. A task with no evaluated run under --root keeps its
-table and plot as they are. A row is never replaced by another run's silently: a call that would (a run of the same
+over seeds per mixer (or rule) against the evaluation length. Both are written whole to a temporary file that is
+then renamed over the old one: a write that fails (a full disk) leaves the old table as it was. A task with no done
+run under --root keeps its table and plot as they are; --collect=True with no done run of its tasks under --root
+is an error. A row is never replaced by another run's silently: a call that would (a run of the same
 task, mixer or rule and seed under another --root, with other settings, or trained again) stops before any work,
 naming the row, and writes nothing; collect such runs into another --results_dir, or replace the rows with
 --overwrite=True. The same run collected again gives the same row, which is no replacement.
+--root (unless --collect=True, where it must exist) and the tables' folders must be folders this user can make and
+write: checked with the other settings, before any work.
 """
 import csv
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+
+from prepare_data import write_file
 
 TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
          "sniah": ("config/sniah.py", "sniah", "accuracy"),
@@ -65,7 +79,7 @@ STEP_RULE_FLAGS = {**{rule: [f"--step_rule={rule}"] for rule in ("kaczmarz", "un
                    "deltanet": ["--step_rule=unit", "--decay=False"]}
 
 # -----------------------------------------------------------------------------
-tasks = "mqar,sniah,lm"
+tasks = ""  # from TASKS, separated by commas; "": mqar,sniah,lm, and with --collect=True every task run under --root
 mixers = "kla,gdn,attn"
 step_rules = ""  # e.g. "kaczmarz,unit,deltanet": a run per rule (STEP_RULE_FLAGS) of the one mixer in --mixers; "": none
 seeds = "1,2,3"
@@ -89,7 +103,8 @@ MIXERS = ("kla", "gdn", "attn")  # train.py --mixer
 NOTHING_LEFT = 3  # train.py's exit status for a resume with nothing left to train
 
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
-check("tasks", all(t in TASKS for t in tasks.split(",")), f"tasks separated by commas, from {', '.join(TASKS)}")
+check("tasks", not tasks or all(t in TASKS for t in tasks.split(",")),
+      f"tasks separated by commas, from {', '.join(TASKS)}")
 check("mixers", all(m in MIXERS for m in mixers.split(",")), f"mixers separated by commas, from {', '.join(MIXERS)}")
 check("step_rules", not step_rules or all(r in STEP_RULE_FLAGS for r in step_rules.split(",")),
       f"step rules separated by commas, from {', '.join(STEP_RULE_FLAGS)} ('': none)")
@@ -102,6 +117,11 @@ check("deadline", deadline >= 0, ">= 0 seconds (0: none)")
 check("n_train", n_train >= 0, ">= 0 (0: the authors' 20,000)")
 for key in ("root", "data_dir", "results_dir"):
     check(key, not os.path.isfile(globals()[key]), "a folder (made if missing), not a file")
+check("root", not collect or os.path.isdir(root), "an existing folder of runs with --collect=True")
+if not tasks:  # the default
+    tasks = ",".join(t for t in TASKS if os.path.isdir(root) and any(n.startswith(t + "-") for n in os.listdir(root))) \
+        if collect else "mqar,sniah,lm"
+selected = tasks.split(",") if tasks else []  # the tasks run, collected and checked for clashes
 
 
 def fail(msg):
@@ -114,15 +134,71 @@ def runs():
     rules = step_rules.split(",") if step_rules else []
     models = {rule: [f"--mixer={mixers}"] + STEP_RULE_FLAGS[rule] for rule in rules} \
         or {mixer: [f"--mixer={mixer}"] for mixer in mixers.split(",")}
-    for task in tasks.split(","):
+    for task in selected:
         for name, flags in models.items():
             for seed in seeds.split(","):
                 yield task, flags, int(seed), os.path.join(root, f"{task}-{name}-{seed}")
 
 
+def writable(folder):
+    """Why folder cannot be made and written into ('' if it can): a file on its path, or its nearest existing
+    folder refuses a new folder (tried: an empty one made and removed again)."""
+    parent = os.path.abspath(folder)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".experiments-"))
+    except OSError as err:
+        return f"cannot make a folder in {parent}: {err.strerror or err}"
+    return ""
+
+
+def check_folders():
+    """--root (where runs are trained) and the folders of the results tables can be made and written, before any
+    work: an impossible folder found only after hours of training would lose the tables."""
+    folders = [] if collect else [("root", root)]
+    folders += [("results_dir", os.path.dirname(results_path(task))) for task in selected]
+    for key, folder in folders:
+        why = writable(folder)
+        check(key, not why, f"a folder that can be made and written ({why})")
+
+
+def read_log(out_dir):
+    """The records of the run's log.jsonl ([] without one); a line cut short by a kill is left out."""
+    records = []
+    try:
+        with open(os.path.join(out_dir, "log.jsonl"), errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if line.endswith("\n") and isinstance(record, dict):
+                    records.append(record)
+    except OSError:
+        pass
+    return records
+
+
+def checkpoint_iter(out_dir):
+    """(the iteration of the run's ckpt.pt, ''): (None, '') without one, (None, why) if it cannot be read. The
+    file is mapped, not read: only the iteration is looked at."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        return None, ""
+    import torch
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter_num"]), ""
+    except Exception as err:  # a damaged or foreign file: the resume reports it
+        return None, f"its ckpt.pt cannot be read ({type(err).__name__}: {str(err)[:200]})"
+
+
 def read_eval(out_dir):
-    """(the run's eval.json, '') or (None, why not), why '' when there is none. A run whose eval.json cannot be read
-    (a write cut short, e.g. by a full disk) is not done either."""
+    """(the run's eval.json, '') if the run is done, else (None, why not), why '' when there is no eval.json. Done:
+    the run ended (the last record of its log.jsonl is an end record) and its eval.json can be read and evaluated the
+    checkpoint there (the same iteration; a run whose checkpoint was deleted after its evaluation stays done)."""
     path = os.path.join(out_dir, "eval.json")
     if not os.path.exists(path):
         return None, ""
@@ -130,9 +206,19 @@ def read_eval(out_dir):
         with open(path) as f:
             ev = json.load(f)
         ev["mixer"], ev["seed"], ev["iter_num"], [r["length"] for r in ev["results"]]  # what collected() reads
-        return ev, ""
     except (OSError, ValueError, KeyError, TypeError) as err:
         return None, f"its eval.json is unreadable ({type(err).__name__}: {err})"
+    log = read_log(out_dir)
+    if not log or "end" not in log[-1]:
+        reached = f" and reaches iteration {log[-1].get('iter')}" if log else ""
+        return None, (f"its eval.json (of iteration {ev['iter_num']}) was written before the run ended (its log.jsonl "
+                      f"has no end record{reached})")
+    it, why = checkpoint_iter(out_dir)
+    if why:
+        return None, why
+    if it is not None and it != ev["iter_num"]:
+        return None, f"its eval.json is of iteration {ev['iter_num']}, its ckpt.pt of iteration {it}"
+    return ev, ""
 
 
 def results_path(task):
@@ -153,8 +239,8 @@ def replaced(fresh=()):
     collected from --root whose values differ from the table's, or a table's row for a run of fresh (runs about to
     be trained from nothing, without a checkpoint). One line saying which and what to do, or ''."""
     clashes = []
-    for task, (_, _, column) in TASKS.items():
-        table = read_table(results_path(task))
+    for task in selected:
+        column, table = TASKS[task][2], read_table(results_path(task))
         if not table:
             continue
         for name, row in collected(task, column, quiet=True).items():
@@ -185,11 +271,32 @@ def gpu_ids():
     return [str(i) for i in range(listing.count("GPU "))] or [None]
 
 
+children = []  # every train.py and evaluate.py started, to stop those still running at a Ctrl-C
+
+
 def launch(cmd, out_dir, log_name, gpu=None, append=False):
     os.makedirs(out_dir, exist_ok=True)
     log = open(os.path.join(out_dir, log_name), "a" if append else "w")
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
-    return subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT, env=env)
+    children.append(subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT, env=env))
+    return children[-1]
+
+
+def record_stop(out_dir, why):
+    """End the log.jsonl of a run stopped here (why: 'deadline' or 'SIGTERM') as train.py ends its own runs, with
+    {"iter": the iteration reached, "end": why}: its best checkpoint so far is its result, evaluated next, and the
+    run is done. A resume (e.g. with a higher --max_iters) goes on from the checkpoint, and train.py drops this
+    record as it drops every record from the checkpoint's iteration on."""
+    path = os.path.join(out_dir, "log.jsonl")
+    last = max((r.get("iter", 0) for r in read_log(out_dir)), default=0)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+        cut = text and not text.endswith(b"\n")  # a last line cut short by the kill: the record on a line of its own
+        with open(path, "a") as f:
+            f.write(("\n" if cut else "") + json.dumps({"iter": last, "end": why}) + "\n")
+    except OSError as err:  # the run is then evaluated but not done: the next call resumes it
+        print(f"cannot write {path}: {err.strerror or err}; the next call resumes the run", flush=True)
 
 
 def least_busy(devices, gpu_of, running):
@@ -204,7 +311,7 @@ def run_all(todo):
     """Train and evaluate the runs of todo; the out_dirs of those that failed (train.py or evaluate.py exited
     with an error, shown here)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_signal.append("SIGTERM"))
-    for task in tasks.split(","):  # data first, once per dataset
+    for task in selected:  # data first, once per dataset
         dataset = TASKS[task][1]
         if not os.path.exists(os.path.join(here, data_dir, dataset, "meta.json")):
             p = subprocess.run([sys.executable, "prepare_data.py", f"--dataset={dataset}", f"--data_dir={data_dir}"]
@@ -231,7 +338,10 @@ def run_all(todo):
         if stop():
             for out_dir, p in running.items():
                 p.kill()  # checkpoints are written atomically: the last good one stays
+                p.wait()
                 print(f"[{time.time() - t0:6.0f}s] {stop()}: stopped {out_dir}", flush=True)
+                if eval_stopped and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+                    record_stop(out_dir, stop())
             done += list(running) if eval_stopped else []
             running = {}
             waiting = []
@@ -273,24 +383,21 @@ def last_line(path):
 
 
 def collected(task, column, quiet=False):
-    """{run name: its row of the results table} of the task's runs under --root that have a readable eval.json
-    holding column; the others are skipped, saying why unless quiet."""
+    """{run name: its row of the results table} of the task's runs under --root that are done (read_eval) and whose
+    eval.json holds column; the others with an eval.json are skipped, saying why unless quiet."""
     names = [n for n in (sorted(os.listdir(root)) if os.path.isdir(root) else []) if n.startswith(task + "-")
              and os.path.exists(os.path.join(root, n, "eval.json"))]
     rows = {}
     for name in names:
         ev, why = read_eval(os.path.join(root, name))
-        why = why and why + "; experiments.py over this --root (without --collect) evaluates it again"
+        why = why and why + "; experiments.py over this --root (without --collect) resumes it or evaluates it again"
         if ev is not None and any(column not in r for r in ev["results"]):
             ev, why = None, f"its eval.json has no {column} (evaluated on data without a test split?)"
         if ev is None:
             if not quiet:
                 print(f"skipped {name}: {why}")
             continue
-        log = []
-        if os.path.exists(os.path.join(root, name, "log.jsonl")):
-            with open(os.path.join(root, name, "log.jsonl")) as f:
-                log = [json.loads(line) for line in f if line.endswith("\n")]  # a line cut short by a kill: left out
+        log = read_log(os.path.join(root, name))
         vals = [r["val_loss"] for r in log if "val_loss" in r]
         tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
         last = max((r.get("iter", 0) for r in log), default=0)
@@ -305,24 +412,40 @@ def collected(task, column, quiet=False):
     return rows
 
 
+def write_or_fail(path, data, what):
+    """data to path whole (through a temporary file renamed over it), or one error line, the old file kept."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_file(path, data)
+    except OSError as err:
+        fail(f"cannot write {path}: {err.strerror or err}; the {what} there, if any, is left as it was")
+
+
 def collect_results():
-    """Each task's rows from --root merged into its table (one row per mixer or rule and seed), summed up and
-    plotted. A task with no run under --root keeps its table and plot as they are."""
-    for task, (_, dataset, column) in TASKS.items():
+    """Each task of --tasks: its rows from --root merged into its table (one row per mixer or rule and seed), summed
+    up and plotted. A task with no done run under --root keeps its table and plot as they are. The number of tables
+    written."""
+    written = 0
+    for task in selected:
+        column = TASKS[task][2]
         new = collected(task, column)
         if not new:
             continue
         path = results_path(task)
         rows = read_table(path)
         rows.update({(r["mixer"], r["step_rule"], r["seed"]): r for r in new.values()})
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         fields = list(dict.fromkeys(k for r in rows.values() for k in r))
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], r["step_rule"], int(r["seed"]))))
+        text = io.StringIO()
+        w = csv.DictWriter(text, fieldnames=fields)
+        w.writeheader()
+        w.writerows(sorted(rows.values(), key=lambda r: (r["mixer"], r["step_rule"], int(r["seed"]))))
+        write_or_fail(path, text.getvalue(), "table")
+        written += 1
         print(summary(task, column, list(rows.values())))
-        plot(task, column, list(rows.values()), os.path.dirname(path))
+        png = plot(task, column, list(rows.values()))
+        if png:
+            write_or_fail(os.path.join(os.path.dirname(path), f"{task}.png"), png, "plot")
+    return written
 
 
 def by_mixer(rows, column):
@@ -375,7 +498,8 @@ def paired(rows, column, lengths, a="kla", b="gdn"):
                          for m, sd, k in zip(d.mean(0), d.std(0, ddof=1), ahead.sum(0))) + " |"]
 
 
-def plot(task, column, rows, out):
+def plot(task, column, rows):
+    """The task's plot, as the bytes of a PNG file; None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -383,7 +507,7 @@ def plot(task, column, rows, out):
         import numpy as np
     except ImportError:
         print("matplotlib is not installed: no plot")
-        return
+        return None
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for mixer, (lengths, vals) in sorted(by_mixer(rows, column).items()):
         v = np.array(vals) * (100 if column == "accuracy" else 1)
@@ -403,20 +527,29 @@ def plot(task, column, rows, out):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, f"{task}.png"), dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    return png.getvalue()
 
 
-if __name__ == "__main__":
+def not_done():
+    """The runs of runs() that are not done (read_eval), to train or resume; why, for those with an eval.json."""
+    todo = []
+    for r in runs():
+        ev, why = read_eval(r[3])
+        if ev is None:
+            todo.append(r)
+            if why:
+                print(f"{r[3]}: {why}; the run is not done: it is resumed, or evaluated again if it has ended")
+    return todo
+
+
+def main():
+    check_folders()
     failed = []
     if not collect:
-        todo = []
-        for r in runs():
-            ev, why = read_eval(r[3])
-            if ev is None:
-                todo.append(r)
-                if why:
-                    print(f"{r[3]}: {why}; the run is not done: it is evaluated again")
+        todo = not_done()
         clash = "" if overwrite else replaced(todo)
         if clash:  # before any work: the tables' rows are kept, nothing is trained
             fail(clash)
@@ -424,10 +557,26 @@ if __name__ == "__main__":
     clash = "" if overwrite else replaced()
     if clash:
         print(f"error: {clash}", file=sys.stderr)
-    else:
-        collect_results()
+    elif not collect_results() and collect:
+        fail(f"no done run of {', '.join(selected)} under {root}: nothing to collect" if selected else
+             f"no run under {root} (folders <task>-<mixer or rule>-<seed>, e.g. mqar-kla-1): nothing to collect")
     if failed:
         fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (their error above, their log in stdout.txt / "
              "eval.txt there)")
     if clash:
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the runs stopped as at the deadline, one line, no traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
+        for p in children:
+            if p.poll() is None:
+                p.kill()  # checkpoints and eval.json are written atomically: the last good ones stay
+                p.wait()
+        print("interrupted; every results table is as it was or written in full: run the command again to collect"
+              if collect else f"interrupted; the runs under {root} are stopped, their checkpoints kept: run the same "
+              "command again to resume them", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT

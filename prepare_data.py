@@ -24,10 +24,12 @@ tinyshakespeare's plain form: "SPEAKER:" on a line, the speech below it, a blank
 tiktoken works offline when TIKTOKEN_CACHE_DIR points at a cache that holds r50k_base.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import urllib.error
@@ -156,15 +158,18 @@ def split_documents(lengths, seed=SPLIT_SEED):
 
 
 def write_tmp(path, data):
-    """data (a numpy array, or a dict as JSON) in full to path + ".tmp", flushed to the disk; the temporary file is
-    removed again if that fails (a full disk). Returns its path."""
+    """data in full to path + ".tmp", flushed to the disk: a numpy array (its bytes), a dict (as JSON), a str (text,
+    written as it is) or bytes. The temporary file is removed again if that fails (a full disk). Returns its path."""
     tmp = path + ".tmp"
     try:
-        with open(tmp, "w" if isinstance(data, dict) else "wb") as f:
+        text = isinstance(data, (dict, str))
+        with open(tmp, "w" if text else "wb", newline="" if text else None) as f:  # text as given: no \r added
             if isinstance(data, dict):
                 json.dump(data, f, indent=1)
-            else:
+            elif isinstance(data, np.ndarray):
                 data.tofile(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -175,10 +180,37 @@ def write_tmp(path, data):
 
 
 def write_file(path, data):
-    """data to path through a temporary file renamed over it (as train.py writes its checkpoints): a reader never
-    sees a file half written, a write that fails leaves the old file as it was, and a run that holds the old file
-    open (train.py keeps its data files open) goes on reading the old one. evaluate.py writes eval.json with it."""
-    os.replace(write_tmp(path, data), path)
+    """data (as write_tmp takes it) to path through a temporary file renamed over it (as train.py writes its
+    checkpoints): a reader never sees a file half written, a write that fails leaves the old file as it was, and a
+    run that holds the old file open (train.py keeps its data files open) goes on reading the old one. evaluate.py
+    writes eval.json with it, experiments.py its results tables and plots."""
+    tmp = write_tmp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:  # a rename refused, or a Ctrl-C just before it: no temporary file left
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
+COMMITTED = set()  # the datasets written in full by this process (for the message of a Ctrl-C)
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """A Ctrl-C (SIGINT) during the block takes effect once the block is done. Only the main thread handles
+    signals, so elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if came:
+        signal.raise_signal(signal.SIGINT)  # to the handler the caller had: KeyboardInterrupt by default
 
 
 class NewDataset:
@@ -199,11 +231,13 @@ class NewDataset:
 
     def commit(self, meta):
         meta_path = os.path.join(self.out_dir, "meta.json")
-        if os.path.exists(meta_path):
-            os.remove(meta_path)
-        for tmp in self.staged:
-            os.replace(tmp, tmp[:-len(".tmp")])
-        write_file(meta_path, meta)
+        with ctrl_c_deferred():  # the renames are never cut half-way: the old dataset or the new one
+            if os.path.exists(meta_path):
+                os.remove(meta_path)
+            for tmp in self.staged:
+                os.replace(tmp, tmp[:-len(".tmp")])
+            write_file(meta_path, meta)
+            COMMITTED.add(self.out_dir)
 
     def __enter__(self):
         return self
@@ -456,6 +490,7 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
         sys.exit(f"error: data_dir = {data_dir!r} is a file: it must be a folder (made if missing)")
     out_dir = os.path.join(data_dir, dataset)
+    COMMITTED.discard(out_dir)
     try:
         if dataset in SYNTHETIC:
             prepare_synthetic(out_dir, **SYNTHETIC[dataset], **({"n_train": n_train} if n_train else {}))
@@ -469,6 +504,11 @@ def prepare(dataset="shakespeare_char", data_dir="data", source_dir=None, max_to
             prepare_bpe(out_dir, python_code_files(source_dir))
         else:
             prepare_shakespeare_char(out_dir, shakespeare_plays(source_dir))
+    except KeyboardInterrupt:  # Ctrl-C: one line and a shell's status for an interrupted command, no traceback
+        kept = (f"{out_dir} was written in full before the interrupt" if out_dir in COMMITTED
+                else f"the dataset in {out_dir}, if any, is left as it was")
+        print(f"interrupted; {kept}", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT
     except MemoryError:  # NewDataset has removed what it wrote: the old dataset is as it was
         sys.exit(f"error: not enough memory to prepare {out_dir}" + (f" with n_train = {n_train}" if n_train else "")
                  + "; the dataset there, if any, is left as it was")

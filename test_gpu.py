@@ -4,6 +4,8 @@ model.kla_recurrent, run in float64 on the GPU).
 A script, not a pytest module (CI has no GPU):
     python test_gpu.py [--out=DIR] [--cases=0,3] [--varlen] [--kernels] [--model] [--decoding] [--paths=default,alt]
                        [--large] [--smoke]
+It needs a CUDA GPU (without one it stops with one line, as it does for a --cases index outside the list); --smoke
+runs on the CPU.
 --varlen runs only the cases of packed sequences (cu_seqlens; in the default run too): N sequences in a batch
 of 1, each from its own initial state, against the float64 reference run on each sequence alone; and the model
 on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
@@ -419,7 +421,6 @@ def main():
     out = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")), os.environ.get("OUT"))
     smoke = "--smoke" in sys.argv
     device = "cpu" if smoke else "cuda"
-    gen = torch.Generator(device=device).manual_seed(1234)
     f32, bf16 = torch.float32, torch.bfloat16
     wide, unit = (1e-2, 1e2), (1.0, 1.0)
     if smoke:
@@ -480,6 +481,15 @@ def main():
         ]
         cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
+    if pick is not None and not all(i.isdigit() and int(i) < len(cases) for i in pick.split(",")):
+        sys.exit(f"error: --cases={pick}: must be case indices 0..{len(cases) - 1} separated by commas"
+                 + (" (--smoke has its own, tiny cases)" if smoke else ""))
+    paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
+    if not all(p in ("default", "alt") for p in paths):
+        sys.exit(f"error: --paths={','.join(paths)}: must be 'default', 'alt' or both, separated by commas")
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("error: test_gpu.py needs a CUDA GPU (--smoke runs it in Triton's interpreter)")
+    gen = torch.Generator(device=device).manual_seed(1234)
     if pick:  # --cases=0,3: a subset, by position in the list above
         cases = [cases[int(i)] for i in pick.split(",")]
     model_only = "--model" in sys.argv  # the fused loss and the decoding checks alone
@@ -493,7 +503,6 @@ def main():
     lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | other | " + " | ".join(cols) + " | ok |",
              "|" + "---|" * (11 + len(cols))] if cases else []
     failures = 0
-    paths = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--paths=")), "default").split(",")
     config = kernel._fwd_fuse_o
     for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
         t = time.time()

@@ -2550,6 +2550,102 @@ def test_ctrl_c_stops_with_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == saved + 2
 
 
+def test_a_run_from_scratch_keeps_another_runs_results(trained, tiny_data, tmp_path):
+    """A run from scratch into an out_dir that holds another run's results but no checkpoint (its eval.json, a log
+    evaluated past iteration 0: a results folder kept without its checkpoint) stops before any work, naming them,
+    and leaves them as they were; the log of a run that never evaluated past iteration 0 is written over. A setting
+    refused once the data is read leaves no out_dir behind, and an empty data_dir is refused."""
+    both, logged, evaluated, crashed = (tmp_path / name for name in ("both", "logged", "evaluated", "crashed"))
+    for d in (both, logged, evaluated, crashed):
+        d.mkdir()
+    for d in (both, logged):
+        shutil.copy(os.path.join(trained, "log.jsonl"), d / "log.jsonl")  # evaluated at 0, 4 and 8
+    for d in (both, evaluated):
+        (d / "eval.json").write_text('{"results": []}')
+    (crashed / "log.jsonl").write_text('{"iter": 0, "train_loss": 4.2, "val_loss": 4.2}\n{"iter": 0, "lo')
+    files = lambda: {f: f.read_bytes() for d in (both, logged, evaluated) for f in d.iterdir()}
+    before = files()
+    (tmp_path / "file").write_text("")
+    new = tmp_path / "new" / "run"
+    cases = [(f"--out_dir={both}", f"error: {both} holds another run's results (eval.json and log.jsonl, evaluated up "
+                                   f"to iteration 8) but no checkpoint: train from scratch into another --out_dir (or "
+                                   f"delete {both / 'eval.json'}, {both / 'log.jsonl'} first)"),
+             (f"--out_dir={logged}", "(log.jsonl, evaluated up to iteration 8) but no checkpoint"),
+             (f"--out_dir={evaluated}", "(eval.json) but no checkpoint"),
+             ("--dataset=nosuch", "nosuch/meta.json not found"), ("--documents=True", "names none"),
+             ("--data_dir=", "data_dir = '': must be a directory"),
+             (f"--data_dir={tmp_path / 'file'}", "must be a directory (made if missing), not a file")]
+    assert_each_is_one_line("train.py", cases, *TINY, f"--data_dir={tiny_data}", f"--out_dir={new}")
+    assert files() == before and not (tmp_path / "new").exists()
+    p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={crashed}", "--max_iters=1")
+    assert p.returncode == 0, p.stderr
+    assert [r["iter"] for r in train_log(crashed) if "val_loss" in r] == [0, 1]
+
+
+def test_a_run_in_use_is_named_first_and_evaluated_without_eval_json(tiny_data, tmp_path):
+    """While a run trains, past its first checkpoint: a second train.py into its out_dir is told that it is in use
+    (exit status EX_TEMPFAIL), never advised to delete the checkpoint; evaluate.py prints the checkpoint's results
+    but writes no eval.json, which would mark the unfinished run as done."""
+    out = tmp_path / "out"
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={out}", "--eval_iters=1"]
+    first = train_in_background(*args, "--max_iters=100000", "--eval_interval=2", "--always_save_checkpoint=True")
+    try:
+        wait_until((out / "ckpt.pt").exists)
+        first.send_signal(signal.SIGSTOP)  # paused, it holds its lock and leaves the CPU to the two below
+        second = train_in_background(*args, "--max_iters=8")  # side by side with evaluate.py: half the time
+        p = run("evaluate.py", f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--factors=1",
+                "--eval_batches=1", "--batch_size=2")
+        assert p.returncode == 0, p.stderr
+        assert (f"{out} is in use by a train.py that has not ended: the results are printed, {out / 'eval.json'} "
+                "is not written\n") in p.stdout.split("| length |")[0] and "| 16 | 1 |" in p.stdout, p.stdout
+        _, err = second.communicate(timeout=60)
+        assert second.returncode == os.EX_TEMPFAIL and err == (f"error: {out} is in use by another train.py that has "
+                                                                "not ended: wait for it, or train into another --out_dir\n")
+        assert first.poll() is None and not (out / "eval.json").exists()
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_evaluate_ctrl_c_is_one_line(trained, tmp_path):
+    """Ctrl-C in evaluate.py: `interrupted`, exit status 130, no traceback, nothing written. The out_dir is locked
+    here as a running train.py locks it, so that evaluate.py's first line says when its Ctrl-C handler is set."""
+    import fcntl
+    shutil.copy(os.path.join(trained, "ckpt.pt"), tmp_path / "ckpt.pt")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), f"--out_dir={tmp_path}",
+                                 "--device=cpu", "--dtype=float32", "--factors=1", f"--eval_batches={10 ** 6}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        for line in proc.stdout:  # the settings, then the line
+            if "is in use by a train.py" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 130 and err == "interrupted\n", err
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_config_file_errors_name_the_file_and_evaluate_names_its_flags(trained, tmp_path):
+    """A config file with a syntax error, or one that calls sys.exit(0), is one line naming the file (not <string>,
+    not a silent exit 0); evaluate.py's need for an end-of-text token names only the flags given."""
+    (tmp_path / "bad.py").write_text("max_iters = 2\nx = (\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
+    assert_each_is_one_line("train.py", [(str(tmp_path / "bad.py"), f"{tmp_path / 'bad.py'} failed: SyntaxError: "
+                                          "'(' was never closed (bad.py, line 2)"),
+                                         (str(tmp_path / "exits.py"), f"config file {tmp_path / 'exits.py'} exited")])
+    cases = [(["--documents=True"], "error: documents=True needs the end-of-text token"),
+             (["--padded=True"], "error: padded=True needs the end-of-text token"),
+             (["--documents=True", "--padded=True"], "error: documents=True and padded=True need the end-of-text token")]
+    results = run_each("evaluate.py", [[f"--out_dir={trained}", "--device=cpu", *args] for args, _ in cases])
+    for (args, phrase), (code, err) in zip(cases, results, strict=True):
+        assert code == 1 and err.startswith(phrase) and len(err.splitlines()) == 1, (args, err)
+
+
 def test_derived_defaults_follow_the_overrides(tiny_data, tmp_path):
     """min_lr (learning_rate / 10) and lr_decay_iters (max_iters) are resolved after the overrides: the
     schedule follows --learning_rate and --max_iters, and the checkpoint's config holds the values used."""
@@ -2875,7 +2971,7 @@ def test_experiments_step_rule_ablation(tmp_path):
         (root / name).mkdir(parents=True)
         (root / name / "eval.json").write_text(json.dumps(
             {"mixer": "kla", "seed": 1, "iter_num": 4, "results": [{"length": 128, "accuracy": acc}]}))
-        (root / name / "log.jsonl").write_text(json.dumps({"iter": 4, "val_loss": 1.0}) + "\n")
+        (root / name / "log.jsonl").write_text(json.dumps({"iter": 4, "val_loss": 1.0}) + "\n" + ENDED.format(4))
     p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={tmp_path / 'res'}")
     assert p.returncode == 0, p.stderr
     rows = list(csv.DictReader(open(tmp_path / "res" / "mqar_small.csv")))
@@ -3087,7 +3183,7 @@ def test_experiments_collects_the_test_loss(tmp_path):
         (root / name).mkdir(parents=True)
         (root / name / "eval.json").write_text(json.dumps({"mixer": name.split("-")[1], "seed": 1, "iter_num": 4,
                                                           "results": results}))
-        (root / name / "log.jsonl").write_text(json.dumps({"iter": 4, "val_loss": 1.6}) + "\n")
+        (root / name / "log.jsonl").write_text(json.dumps({"iter": 4, "val_loss": 1.6}) + "\n" + ENDED.format(4))
     p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={tmp_path / 'res'}")
     assert p.returncode == 0, p.stderr
     rows = list(csv.DictReader(open(tmp_path / "res" / "lm.csv")))
@@ -3096,12 +3192,16 @@ def test_experiments_collects_the_test_loss(tmp_path):
     assert (tmp_path / "res" / "mqar.csv").read_text() == other and "mqar:" not in p.stdout
 
 
-def fake_run(run_dir, accuracy, iters=2):
-    """A run folder as experiments.py leaves it once evaluated (eval.json, log.jsonl), without training."""
+ENDED = '{{"iter": {}, "end": "max_iters", "patience": 0}}\n'  # the last record of a run train.py ended
+
+
+def fake_run(run_dir, accuracy, iters=2, ended=True):
+    """A run folder as experiments.py leaves it once evaluated (eval.json, log.jsonl), without training; ended=False:
+    its log as while it trains (no end record). Its seed is the last digit of its name."""
     run_dir.mkdir(parents=True)
-    (run_dir / "eval.json").write_text(json.dumps({"mixer": "kla", "seed": 1, "iter_num": iters,
+    (run_dir / "eval.json").write_text(json.dumps({"mixer": "kla", "seed": int(run_dir.name[-1]), "iter_num": iters,
                                                    "results": [{"length": 128, "accuracy": accuracy}]}))
-    (run_dir / "log.jsonl").write_text(json.dumps({"iter": iters, "val_loss": 1.0}) + "\n")
+    (run_dir / "log.jsonl").write_text(json.dumps({"iter": iters, "val_loss": 1.0}) + "\n" + ENDED.format(iters) * ended)
 
 
 def test_experiments_keeps_the_rows_of_other_runs(tmp_path):
@@ -3173,13 +3273,194 @@ def test_experiments_reports_a_failed_run_and_evaluates_an_unreadable_eval_again
                                         ("--jobs=0", "jobs = 0: must be >= 1"),
                                         ("--deadline=-1", "deadline = -1: must be >= 0"),
                                         ("--mixers=foo", "mixers = 'foo': must be mixers separated by commas"),
-                                        ("--gpus=x", "gpus = 'x'"), ("--n_train=-1", "n_train = -1")])
+                                        ("--gpus=x", "gpus = 'x'"), ("--n_train=-1", "n_train = -1"),
+                                        ("--results_dir=/proc/x/y", "results_dir = '/proc/x/y': must be a folder "
+                                                                    "that can be made and written (cannot make a folder in /proc"),
+                                        ("--collect=True", "must be an existing folder of runs with --collect=True")])
 def test_experiments_settings_are_checked_before_any_work(tmp_path, arg, phrase):
     root, data = tmp_path / "exp", tmp_path / "data"
     p = run("experiments.py", "--tasks=mqar_small", f"--root={root}", f"--data_dir={data}",
             f"--results_dir={tmp_path / 'res'}", arg, timeout=30)
     assert_clean_error(p, phrase)
     assert len(p.stderr.splitlines()) == 1 and not root.exists() and not data.exists() and not (tmp_path / "res").exists()
+
+
+def test_experiments_writes_its_tables_atomically(tmp_path):
+    """A results table is written whole to a temporary file renamed over the old one: a full disk (the temporary
+    file sent to /dev/full) is one line, and the old table and no temporary file are left. write_file writes text
+    and bytes as given."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    res, root = tmp_path / "res", tmp_path / "exp"
+    res.mkdir()
+    old = "mixer,step_rule,seed,accuracy@128\r\nkla,,2,0.9000\r\n"
+    (res / "mqar_small.csv").write_bytes(old.encode())
+    (res / "mqar_small.csv.tmp").symlink_to("/dev/full")
+    fake_run(root / "mqar_small-kla-1", 0.5)
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={res}")
+    assert_clean_error(p, f"error: cannot write {res / 'mqar_small.csv'}: No space left on device; the table there")
+    assert len(p.stderr.splitlines()) == 1 and (res / "mqar_small.csv").read_bytes() == old.encode()
+    assert not os.path.lexists(res / "mqar_small.csv.tmp")
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={res}")
+    assert p.returncode == 0, p.stderr
+    assert [r["seed"] for r in csv.DictReader(open(res / "mqar_small.csv"))] == ["1", "2"]
+    for data in ("a\r\nb\n", b"\x00\x01\n"):
+        prepare_data.write_file(str(tmp_path / "f"), data)
+        assert (tmp_path / "f").read_bytes() == (data.encode() if isinstance(data, str) else data)
+
+
+def test_experiments_touches_only_the_tables_of_its_tasks(tmp_path):
+    """Collection, its clash check and --overwrite=True cover the tasks of --tasks alone (by default with
+    --collect=True: every task run under --root); --collect=True with no done run of them is an error."""
+    res, root = tmp_path / "res", tmp_path / "exp"
+    res.mkdir()
+    committed = "mixer,step_rule,seed,best_iter,last_iter,best_val_loss,tok_s,accuracy@128\nkla,,1,3000,3000,0.3000,,0.9000\n"
+    (res / "mqar_small.csv").write_text(committed)
+    fake_run(root / "mqar_small-kla-1", 0.5)  # another run than the table's row
+    fake_run(root / "stack_small-kla-1", 0.25)
+    for extra in ([], ["--overwrite=True"]):
+        p = run("experiments.py", "--collect=True", "--tasks=stack_small", f"--root={root}", f"--results_dir={res}", *extra)
+        assert p.returncode == 0, p.stderr
+        assert (res / "mqar_small.csv").read_text() == committed and "mqar_small:" not in p.stdout
+        assert [r["accuracy@128"] for r in csv.DictReader(open(res / "stack_small.csv"))] == ["0.2500"]
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={res}")  # every task under --root
+    assert_clean_error(p, f"{res / 'mqar_small.csv'} already holds kla seed 1")
+    p = run("experiments.py", "--collect=True", "--tasks=lm", f"--root={root}", f"--results_dir={res}")
+    assert_clean_error(p, f"error: no done run of lm under {root}: nothing to collect")
+    (tmp_path / "empty").mkdir()
+    p = run("experiments.py", "--collect=True", f"--root={tmp_path / 'empty'}", f"--results_dir={res}")
+    assert_clean_error(p, f"error: no run under {tmp_path / 'empty'} (folders <task>-<mixer or rule>-<seed>")
+
+
+def test_experiments_resumes_a_run_evaluated_before_it_ended(tmp_path):
+    """A run is done only if its log ends with an end record and its eval.json is of its checkpoint's iteration:
+    one evaluated while it trained (evaluate.py by hand mid-run) or from an earlier checkpoint is resumed and not
+    collected. A run stopped here at the deadline ends its log with an end record of its own (after a line cut
+    short by the kill too), and is done once evaluated."""
+    root = tmp_path / "exp"
+    fake_run(root / "mqar_small-kla-1", 0.5, iters=880, ended=False)  # training went on after its evaluation
+    fake_run(root / "mqar_small-kla-2", 0.5, iters=2)
+    torch.save({"iter_num": 4}, root / "mqar_small-kla-2" / "ckpt.pt")  # a better checkpoint after the evaluation
+    fake_run(root / "mqar_small-kla-3", 0.75, iters=4)
+    torch.save({"iter_num": 4}, root / "mqar_small-kla-3" / "ckpt.pt")
+    fake_run(root / "mqar_small-kla-4", 0.25, iters=4, ended=False)
+    with open(root / "mqar_small-kla-4" / "log.jsonl", "a") as f:
+        f.write('{"iter": 6, "lo')  # cut short by the kill
+    code = ("import json, sys; sys.argv = ['experiments.py', '--tasks=mqar_small', '--mixers=kla', '--seeds=1,2,3,4', "
+            f"'--root={root}']; import experiments; experiments.record_stop({str(root / 'mqar_small-kla-4')!r}, 'deadline'); "
+            "print(json.dumps([r[3] for r in experiments.not_done()]))")
+    p = run("-c", code)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[-1]) == [str(root / "mqar_small-kla-1"), str(root / "mqar_small-kla-2")]
+    assert (f"{root / 'mqar_small-kla-1'}: its eval.json (of iteration 880) was written before the run ended (its "
+            "log.jsonl has no end record and reaches iteration 880); the run is not done: it is resumed") in p.stdout
+    assert f"{root / 'mqar_small-kla-2'}: its eval.json is of iteration 2, its ckpt.pt of iteration 4" in p.stdout
+    assert (root / "mqar_small-kla-4" / "log.jsonl").read_text().endswith('{"iter": 6, "lo\n{"iter": 4, "end": "deadline"}\n')
+    p = run("experiments.py", "--collect=True", f"--root={root}", f"--results_dir={tmp_path / 'res'}")
+    assert p.returncode == 0, p.stderr
+    assert "skipped mqar_small-kla-1: its eval.json (of iteration 880) was written before the run ended" in p.stdout
+    assert "skipped mqar_small-kla-2: its eval.json is of iteration 2, its ckpt.pt of iteration 4" in p.stdout
+    rows = list(csv.DictReader(open(tmp_path / "res" / "mqar_small.csv")))
+    assert [(r["seed"], r["accuracy@128"]) for r in rows] == [("3", "0.7500"), ("4", "0.2500")]
+
+
+def test_experiments_ctrl_c_stops_its_runs_with_one_line(tmp_path):
+    """Ctrl-C (SIGINT) to experiments.py while a run trains: its train.py is stopped, one line saying the runs can
+    be resumed by running it again, exit status 130, no traceback."""
+    data, root = tmp_path / "data", tmp_path / "exp"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    train = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--device=cpu",
+             "--dtype=float32", "--compile=False", "--max_iters=100000"]
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments.py"), "--tasks=mqar_small", "--mixers=kla",
+                          "--seeds=1", "--jobs=1", f"--root={root}", f"--results_dir={tmp_path / 'res'}",
+                          f"--data_dir={data}", "--train_args=" + " ".join(train)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for line in p.stdout:
+        if "started" in line:
+            break
+    time.sleep(1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert err == f"interrupted; the runs under {root} are stopped, their checkpoints kept: run the same command " \
+                  "again to resume them\n", err
+    run_dir = str(root / "mqar_small-kla-1")
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            alive += [pid] if run_dir in open(f"/proc/{pid}/cmdline").read() else []
+        except OSError:
+            pass
+    assert not alive
+
+
+def test_prepare_data_ctrl_c_keeps_the_old_dataset(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in prepare_data.py: one line and exit status 130; the old dataset is left as it was, or, for a Ctrl-C
+    while the new one replaces it (its renames are not cut half-way), the new one is whole."""
+    data = tmp_path / "data"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    files = lambda: {f.name: f.read_bytes() for f in (data / "mqar_small").iterdir()}  # noqa: E731
+    before = files()
+    generate, write_file, calls = prepare_data.recall_examples, prepare_data.write_file, []
+
+    def ctrl_c(*args, **kw):  # during the first test set
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return generate(*args, **kw)
+
+    def ctrl_c_at_commit(*args):  # while meta.json, the last file, is written
+        signal.raise_signal(signal.SIGINT)
+        return write_file(*args)
+
+    for name, fake, kept in (("recall_examples", ctrl_c, "the dataset in {}, if any, is left as it was"),
+                             ("write_file", ctrl_c_at_commit, "{} was written in full before the interrupt")):
+        with monkeypatch.context() as m:
+            m.setattr(prepare_data, name, fake)
+            with pytest.raises(SystemExit) as e:
+                prepare_data.prepare("mqar_small", str(data), n_train=50)
+        assert e.value.code == 130
+        assert capsys.readouterr().err == "interrupted; " + kept.format(data / "mqar_small") + "\n"
+        assert not [f for f in os.listdir(data / "mqar_small") if f.endswith(".tmp")]
+    assert before.keys() == files().keys() and before != files()
+    assert json.loads((data / "mqar_small" / "meta.json").read_text())["n_train"] == 50
+
+
+def test_ddp_compare_checks_its_flags_first(tiny_data, tmp_path):
+    """tools/ddp_compare.py: --nproc < 1, and gradient_accumulation_steps not a multiple of --nproc, are one line
+    before any run; a run that fails gives its error line, not torchrun's traceback."""
+    tool, out = os.path.join(ROOT, "tools", "ddp_compare.py"), tmp_path / "ddp"
+    p = run(tool, "--nproc=0", f"--root={out}")
+    assert_clean_error(p, "error: --nproc=0: must be >= 1")
+    p = run(tool, "--nproc=2", f"--root={out}", "--", *TINY, "--max_iters=3")
+    assert_clean_error(p, "error: gradient_accumulation_steps = 1 (train.py's default): must be a multiple of --nproc=2")
+    assert len(p.stderr.splitlines()) == 1 and not out.exists()
+    p = run(tool, "--nproc=1", f"--root={out}", "--", *TINY, f"--data_dir={tiny_data}", "--max_iters=0")
+    assert_clean_error(p, "error: the 1-process run failed (exit 1): config error: max_iters = 0: must be >= 1",
+                       f"(its output: {out / 'gpu1' / 'stdout.txt'})")
+    assert len(p.stderr.splitlines()) == 1
+
+
+def test_gpu_script_needs_a_gpu_and_checks_its_cases():
+    """test_gpu.py without a GPU (unless --smoke), and a --cases index outside the list: one line each, before any
+    work."""
+    cases = [([], "error: test_gpu.py needs a CUDA GPU (--smoke runs it in Triton's interpreter)"),
+             (["--cases=a"], "error: --cases=a: must be case indices 0.."),
+             (["--smoke", "--cases=99"], "error: --cases=99: must be case indices 0..5 separated by commas")]
+    for (args, phrase), (code, err) in zip(cases, run_each("test_gpu.py", [args for args, _ in cases]), strict=True):
+        assert code != 0 and "Traceback" not in err and phrase in err and len(err.splitlines()) == 1, (args, err)
+
+
+def test_bench_and_ptxas_report_refuse_bad_arguments_in_one_line():
+    """bench.py's unknown arguments (a typo too) and a --plot file it cannot read; tools/ptxas_report.py's unknown
+    flags and kernel names: one line each, before any work."""
+    assert_each_is_one_line("bench.py", [
+        ("--secton=decode", "error: unknown argument '--secton=decode'; bench.py takes --smoke and --KEY=VALUE with KEY one of section,"),
+        ("--plot=nofile.json", "error: --plot=nofile.json: cannot read it as an earlier run's bench.json (No such file")])
+    assert_each_is_one_line(os.path.join("tools", "ptxas_report.py"), [
+        ("nosuchkernel", "error: 'nosuchkernel' is in no kernel's label"),
+        ("--fp32=1", "error: unknown flag '--fp32=1'; the flags are --fp32, --wgmma, --loops, --trans")])
 
 
 def test_evaluate_writes_eval_json_atomically(trained, tmp_path):

@@ -13,7 +13,8 @@ holds everything else (weights, optimizer, RNG states), so on CPU in float32 an 
 resumed run reproduces the uninterrupted run's losses bit for bit.
 
 Nothing is lost and nothing fails late: every setting is checked before any work, a run from scratch
-never writes over a checkpoint in its out_dir, and a failed or interrupted save leaves the last one.
+never writes over another run's results in its out_dir (a checkpoint, an eval.json, an evaluated log), and a
+failed or interrupted save leaves the last checkpoint.
 """
 
 import os
@@ -54,7 +55,7 @@ eval_iters = 100 if _gpu else 20
 log_interval = 10
 always_save_checkpoint = False  # if False, save only when the val loss improves
 patience = 0  # stop after this many evaluations in a row without a better val loss; 0: never stop early
-init_from = "scratch"  # 'scratch' (refused if out_dir/ckpt.pt exists) or 'resume' (from out_dir/ckpt.pt)
+init_from = "scratch"  # 'scratch' (refused if out_dir holds another run's results) or 'resume' (from out_dir/ckpt.pt)
 sample_tokens = 500  # printed at the end of training by the master process; 0 for none
 # data
 dataset = "shakespeare_char"
@@ -112,15 +113,22 @@ NOTHING_LEFT = 3  # the exit status of a resume with nothing left to train (expe
 
 
 def fail(msg, status=1):
-    """Bad input or a broken run: one line on stderr and a non-zero exit, never a traceback."""
+    """Bad input or a broken run: one line on stderr and a non-zero exit, never a traceback. The folders of out_dir
+    that this run made are removed again while nothing is in them (a setting refused once the data is read)."""
     print(f"error: {msg}", file=sys.stderr)
     unlock_out_dir()
+    for path in made_dirs:
+        try:
+            os.rmdir(path)  # only an empty folder
+        except OSError:
+            pass
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(status)
 
 
 out_dir_lock = []  # the file descriptor that holds out_dir's lock while this run trains (lock_out_dir)
+made_dirs = []  # the folders that this run made for out_dir, innermost first
 
 
 def lock_out_dir(path):
@@ -160,9 +168,26 @@ def run_end(path):
     return last if isinstance(last, dict) and "end" in last else None
 
 
+def last_evaluated(path):
+    """The last iteration that the log at path (out_dir/log.jsonl) holds an evaluation of; 0 if none."""
+    last = 0
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    last = max(last, record["iter"] if "val_loss" in record else 0)
+                except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+                    pass
+    except OSError:
+        pass
+    return last
+
+
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 device_type = check_device(device, dtype)
 check("out_dir", out_dir and not os.path.isfile(out_dir), "a directory (made if missing), not a file")
+check("data_dir", data_dir and not os.path.isfile(data_dir), "a directory (made if missing), not a file")
 check("eval_interval", eval_interval >= 1, ">= 1")
 check("log_interval", log_interval >= 1, ">= 1")
 check("eval_iters", eval_iters >= 1, ">= 1")
@@ -213,36 +238,54 @@ except ValueError as err:
     fail(str(err))
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
-if init_from == "scratch" and os.path.exists(ckpt_path):
-    fail(f"{ckpt_path} holds a trained model: continue it with --init_from=resume, or train from scratch "
-         f"into another --out_dir (or delete {ckpt_path} first)")
 
 # DDP: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; a plain `python train.py` is one process
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if gradient_accumulation_steps % world_size:
+        fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be a multiple of the "
+             f"number of processes ({world_size})")
+else:
+    rank, local_rank, world_size = 0, 0, 1
+master_process = rank == 0  # logs, evaluates, writes checkpoints
+# out_dir, which the master alone writes, is made and locked first: a run still training there is named before
+# anything about its files. A run from scratch then refuses to write over another run's results: its checkpoint,
+# its eval.json or a log with an evaluation past iteration 0 (a run that failed or was killed before evaluating a
+# trained model is started again)
+if master_process:
+    missing = os.path.abspath(out_dir)
+    while not os.path.exists(missing):
+        made_dirs.append(missing)
+        missing = os.path.dirname(missing)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        fail(f"cannot make out_dir {out_dir}: {err.strerror}")
+    lock_out_dir(out_dir)
+    if init_from == "scratch":
+        evaluated = last_evaluated(log_path)
+        found = [path for path in (ckpt_path, os.path.join(out_dir, "eval.json")) if os.path.exists(path)]
+        found += [log_path] * (evaluated > 0)
+        if found:
+            what = " and ".join(map(os.path.basename, found))
+            what += f", evaluated up to iteration {evaluated}" if evaluated else ""
+            held = (f"{ckpt_path} holds a trained model: continue it with --init_from=resume, or train from scratch"
+                    if os.path.exists(ckpt_path) else
+                    f"{out_dir} holds another run's results ({what}) but no checkpoint: train from scratch")
+            fail(f"{held} into another --out_dir (or delete {', '.join(found)} first)")
+if ddp:
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    if gradient_accumulation_steps % world_size:
-        fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be a multiple of the "
-             f"number of processes ({world_size})")
     gradient_accumulation_steps //= world_size
-else:
-    rank, local_rank, world_size = 0, 0, 1
-master_process = rank == 0  # logs, evaluates, writes checkpoints
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
 if master_process:
     print(f"tokens per iteration: {tokens_per_iter:,} "
           f"({gradient_accumulation_steps} x {world_size} x {batch_size} x {block_size})")
     print(f"learning rate {learning_rate:.1e}, " + (f"warmup {warmup_iters} iterations, cosine decay to {min_lr:.1e} "
           f"at iteration {lr_decay_iters}" if decay_lr else "constant"))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as err:
-        fail(f"cannot make out_dir {out_dir}: {err.strerror}")
-    lock_out_dir(out_dir)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -254,7 +297,10 @@ data_path = os.path.join(data_dir, dataset)
 if not os.path.exists(os.path.join(data_path, "meta.json")) and dataset in prepare_data.DATASETS:
     if master_process:
         print(f"{data_path} not found, preparing it")
-        prepare_data.prepare(dataset, data_dir)
+        try:
+            prepare_data.prepare(dataset, data_dir)
+        except SystemExit as err:  # prepare_data's one line (e.g. offline), given as this run's error
+            fail(str(err.code).removeprefix("error: "))
     if ddp:
         dist.barrier()
 for name in ("meta.json", "train.bin", "val.bin"):
@@ -642,8 +688,9 @@ while True:
         if master_process:
             losses = estimate_loss()
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
-            log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]})
+            record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]}
             if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
+                log(record)
                 fail(f"the evaluation loss is not finite at iteration {iter_num}; the checkpoint was not overwritten")
             # iteration 0 is the untrained model, and an evaluation at a resumed checkpoint's own iteration
             # re-reads its weights: neither is a new best or a step without one
@@ -653,6 +700,9 @@ while True:
                     best_val_loss = min(best_val_loss, losses["val"])
                     save_checkpoint()
                     print(f"saved checkpoint to {ckpt_path}")
+            # logged after the save: a run killed between the two resumes from that checkpoint and logs this
+            # evaluation again, and a log with an evaluation past iteration 0 always has a checkpoint beside it
+            log(record)
         if patience:  # early stopping: the master decides, every process stops
             stop = torch.tensor(int(evals_since_best >= patience), device=device)
             if ddp:

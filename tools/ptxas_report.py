@@ -2,7 +2,8 @@
 Registers and spills of kernel.py's kernels for sm_90 without a GPU (Triton 3.9 on CPU + its bundled
 ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
     python tools/ptxas_report.py [--fp32] [NAME ...]   (substrings of the kernel labels below; default: all)
-Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory.
+Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory. A NAME in no
+label, or an unknown flag, is one error line naming the kernels or the flags.
     python tools/ptxas_report.py --wgmma
     python tools/ptxas_report.py --loops
 The sequential kernels' PTX at their configurations (bf16, K = V = 128): the asynchronous tensor-core products
@@ -232,18 +233,33 @@ def trans_report():
                                          for v, c, p in ts), flush=True)
 
 
+MODES = {"--wgmma": wgmma_report, "--loops": loops_report, "--trans": trans_report}  # the other reports
+
+
 def main():
     """Arguments: substrings of the labels to keep (default all); --fp32 for the float32 (ieee) configs;
     --wgmma for the sequential kernels' products and waits instead; --loops for the loads in their loops; --trans
-    for the chunk kernels' transposes."""
-    if "--wgmma" in sys.argv:
-        return wgmma_report()
-    if "--loops" in sys.argv:
-        return loops_report()
-    if "--trans" in sys.argv:
-        return trans_report()
-    fp32 = "--fp32" in sys.argv
-    sel = [a for a in sys.argv[1:] if a != "--fp32"]
+    for the chunk kernels' transposes. An unknown flag, a name that matches no label, or names given to another
+    report is one error line before anything is compiled."""
+    flags = [a for a in sys.argv[1:] if a.startswith("-")]
+    sel = [a for a in sys.argv[1:] if not a.startswith("-")]
+    for a in flags:
+        if a not in ("--fp32", *MODES):
+            sys.exit(f"error: unknown flag {a!r}; the flags are --fp32, {', '.join(MODES)}")
+    modes = [a for a in flags if a in MODES]
+    if len(modes) > 1 or modes and (sel or "--fp32" in flags):
+        sys.exit(f"error: {' '.join(sys.argv[1:])}: {modes[0]} is a report of its own, without kernel names, "
+                 "--fp32 or another report")
+    if modes:
+        return MODES[modes[0]]()
+    fp32 = "--fp32" in flags
+    labels = [c[0] for K in (128, 64) for c in configs(K, fp32)]
+    for part in sel:
+        if not any(part in name for name in labels):
+            kernels = sorted({name.split()[-2] for name in labels})
+            sys.exit(f"error: {part!r} is in no kernel's label: give parts of the labels "
+                     "'[*] <kernel> K=V=<128 or 64>' (* marks the chosen configurations), the kernels being "
+                     + ", ".join(kernels))
     for K in (128, 64):
         for name, fn, cx, nw, ns in configs(K, fp32):
             if sel and not any(s in name for s in sel):
