@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, doc_seqlens, read_checkpoint
-from prepare_data import write_file
+from prepare_data import lock_folder, write_file
 
 # -----------------------------------------------------------------------------
 out_dir = "out"
@@ -67,20 +67,10 @@ def on_sigint(signum, frame):
 def in_training(path):
     """Whether a train.py holds the lock on the folder path that it holds while it trains (train.py's lock_out_dir).
     The probe takes a shared lock, which train.py's exclusive one excludes, and lets go of it at once."""
-    try:
-        import fcntl
-        fd = os.open(path, os.O_RDONLY)
-    except (ImportError, OSError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
+    fd, busy = lock_folder(path, exclusive=False)
+    if fd is not None:
         os.close(fd)
+    return busy
 
 
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)

@@ -213,6 +213,24 @@ def ctrl_c_deferred():
         signal.raise_signal(signal.SIGINT)  # to the handler the caller had: KeyboardInterrupt by default
 
 
+def lock_folder(path, exclusive=True):
+    """A lock on the folder path that the OS drops when the process ends (a kill too): (its file descriptor, held
+    until closed, or None, False), or (None, True) when another process holds a lock that excludes it. Exclusive:
+    train.py's while it trains in out_dir; shared: a probe for that lock (evaluate.py). (None, False) where the OS or
+    the file system has no locks (Windows, some network file systems)."""
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None, False
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return fd, False
+    except OSError as err:
+        os.close(fd)
+        return None, isinstance(err, BlockingIOError)
+
+
 class NewDataset:
     """The files of a dataset being (re)written into out_dir: each is written in full beside the old one
     (<name>.tmp), and only once every one is (commit) is the old meta.json removed, each renamed over the old file

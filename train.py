@@ -136,19 +136,12 @@ def lock_out_dir(path):
     command typed twice, two experiments.py over one --root) stops at once instead of writing over this run's
     checkpoint and log. The OS drops the lock when the process ends, by a kill too: nothing is left to clean up.
     No lock where the OS or the file system has none (Windows, some network file systems)."""
-    try:
-        import fcntl
-        fd = os.open(path, os.O_RDONLY)
-    except (ImportError, OSError):
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fd, busy = prepare_data.lock_folder(path)
+    if busy:
+        fail(f"{path} is in use by another train.py that has not ended: wait for it, or train into another "
+             "--out_dir", os.EX_TEMPFAIL)  # the status tells experiments.py that the run is not its own
+    if fd is not None:
         out_dir_lock.append(fd)
-    except OSError as err:
-        os.close(fd)
-        if isinstance(err, BlockingIOError):
-            fail(f"{path} is in use by another train.py that has not ended: wait for it, or train into another "
-                 "--out_dir", os.EX_TEMPFAIL)  # the status tells experiments.py that the run is not its own
 
 
 def unlock_out_dir():
