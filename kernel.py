@@ -415,7 +415,7 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cu, cs, orde
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_cc_kernel(k, v, do, dv, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
+def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 1 (grid (chunks, B*H)): the reductions over the value dimension that need S0 and dS1
@@ -424,7 +424,8 @@ def _bwd_cc_kernel(k, v, do, dv, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, d
     one K-deep product a value block fewer than with Vn^T, forward + backward 0.93x the time at (8, 4096, 16,
     128) and at the model's heads on an H200, `python tools/ab_kernel.py`). Writes
         Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and the gate gradient terms of the
-        value loop (d / d b, natural log domain, per position)."""
+        value loop but two (d / d b, natural log domain, per position; the two that need Q S0 and K S0 come from
+        _bwd_dqk_kernel)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -463,9 +464,7 @@ def _bwd_cc_kernel(k, v, do, dv, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, d
         dS1 = dS1.to(dt)
         bv = _ld(v + v_off, rx, cv, xe, V, H * V, 1).to(dt)
         bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
-        bdv = _ld(dv + v_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
         kS = tl.dot(bk, S0, input_precision=PREC)
-        db -= eb * tl.sum(bdv * kS, 1)
         Vn = (bv.to(tl.float32) - eb[:, None] * kS).to(dt)
         U = tl.dot(P, Vn, input_precision=PREC)
         _st(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U * ecb[:, None])
@@ -480,7 +479,7 @@ def _bwd_cc_kernel(k, v, do, dv, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, d
     # stored transposed: dO Vn^T and dU Vn^T in the buffers' row order
     tl.store(dovn + i_bh * Tp * C + rt[None, :] * C + r[:, None], dOVn_t.to(dovn.dtype.element_ty))
     tl.store(dp + i_bh * Tp * C + rt[None, :] * C + r[:, None], dP_t.to(dp.dtype.element_ty))
-    db -= cS  # the term scale exp(b) rows of dO o (Q S0) comes from _bwd_dqk_kernel (_bwd_dg_kernel)
+    db -= cS  # the terms exp(b) rows of scale dO o (Q S0) - dVn o (K S0) come from _bwd_dqk_kernel (_bwd_dg_kernel)
     db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0), 0.)
     tl.store(dbl + i_bh * Tp + rt, db)
 
@@ -549,13 +548,15 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
 def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
                     KACZ: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Backward, part 2 (grid (K / BKB, chunks, B*H)): dq and dk of BKB key columns of one chunk, two
-    C x BKB accumulators, from _bwd_cc_kernel's Uc, dAg, E and beta coefficient:
+    """Backward, part 2 (grid (K / BKB, chunks, B*H)): dq and dk of BKB key columns of one chunk, three
+    C x BKB accumulators (dO S0^T, dVn S0^T, Uc dS1^T), from _bwd_cc_kernel's Uc, dAg, E and beta coefficient:
         dq = scale Diag(exp b) dO S0^T + dAg K
         dk = Uc dS1^T - Diag(exp b) dVn S0^T + dAg^T Q + (E + E^T) K + Diag(coef) K
     Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed). Also writes the
-    rows of (dO S0^T) o Q over its key columns (qdp), which _bwd_dg_kernel sums into dg: computed from dO S0^T here
-    rather than by a K-deep product Q S0 a value block in _bwd_cc_kernel."""
+    rows of scale (dO S0^T) o Q - (dVn S0^T) o K over its key columns (qdp), which _bwd_dg_kernel sums into dg:
+    the gate gradient's terms scale exp(b) rows of dO o (Q S0) and -exp(b) rows of dVn o (K S0), from products
+    this kernel forms anyway rather than from K S0 and Q S0 in _bwd_cc_kernel's value loop (there dVn o (K S0) needed
+    dVn loaded beside the loop's products, synchronously: Triton pipelines only loads that feed a product)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -570,24 +571,28 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     ar_off = (i_bh * Tp + t0) * C
     neb = -tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt))
     X = tl.zeros([C, BKB], dtype=tl.float32)    # dO S0^T
+    Y = tl.zeros([C, BKB], dtype=tl.float32)    # dVn S0^T
     bdk = tl.zeros([C, BKB], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         S0_t = tl.trans(_ld(hs + h_off, ck, cv, K, V, V, 1).to(dt))  # transposes of loaded tiles
         dS1_t = tl.trans(_ld(dhs + h_off, ck, cv, K, V, V, 1).to(dt))
         bdo = _ld(do + v_off, rx, cv, xe, V, H * V, 1).to(dt)
-        bdv = _ld(dv + v_off, rx, cv, xe, V, H * V, 1).to(tl.float32)
+        bdv = _ld(dv + v_off, rx, cv, xe, V, H * V, 1).to(dt)
         buc = _ld(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1).to(dt)
         X = tl.dot(bdo, S0_t, acc=X, input_precision=PREC)
+        Y = tl.dot(bdv, S0_t, acc=Y, input_precision=PREC)
         bdk = tl.dot(buc, dS1_t, acc=bdk, input_precision=PREC)
-        bdk = tl.dot((bdv * neb[:, None]).to(dt), S0_t, acc=bdk, input_precision=PREC)
     bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    bdk += neb[:, None] * Y
     dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)
     bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
     _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
     bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
-    # the gate gradient's term of rows of dO o (Q S0) = rows of (dO S0^T) o Q, over these key columns
-    tl.store(qdp + (i_k * tl.num_programs(2) + i_bh) * Tp + rt, tl.sum(X * bq.to(tl.float32), 1))
+    # the gate gradient's terms that need S0, over these key columns: rows of dO o (Q S0) = rows of (dO S0^T) o Q,
+    # and rows of dVn o (K S0) = rows of (dVn S0^T) o K, both times exp(b) (_bwd_dg_kernel)
+    tl.store(qdp + (i_k * tl.num_programs(2) + i_bh) * Tp + rt,
+             scale * tl.sum(X * bq.to(tl.float32), 1) - tl.sum(Y * bk.to(tl.float32), 1))
     dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
     bdk = tl.dot(dAg_t, bq, acc=bdk, input_precision=PREC)
     EE = (tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
@@ -599,10 +604,10 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, scale, NKB: tl.constexpr, C: tl.constexpr,
+def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, NKB: tl.constexpr, C: tl.constexpr,
                    VARLEN: tl.constexpr):
-    """Grid (chunks, B*H): adds to dg the reverse cumulative sum of scale exp(b) qd, qd the rows of dO o (Q S0)
-    summed over _bwd_dqk_kernel's key blocks."""
+    """Grid (chunks, B*H): adds to dg the reverse cumulative sum of exp(b) qd, qd the rows of
+    scale dO o (Q S0) - dVn o (K S0) summed over _bwd_dqk_kernel's key blocks."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, C)
@@ -613,7 +618,7 @@ def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, scale, NKB: tl.constexpr, C
     qd = tl.zeros([C], dtype=tl.float32)
     for i_k in tl.static_range(NKB):
         qd += tl.load(qdp + (i_k * tl.num_programs(1) + i_bh) * Tp + rt)
-    db = scale * tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt)) * qd
+    db = tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt)) * qd
     bdg = tl.sum(tl.where(r[:, None] >= r[None, :], db[:, None], 0.), 0)
     tok = (i_b * T + rx) * H + i_h
     bdg = tl.where(tl.load(g + tok, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
@@ -928,7 +933,7 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
     dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
     BVB, nw, ns = _bwd_chunk_config(BK, V, fp32)
     _bwd_cc_kernel[(N, B * H)](
-        k, v, do, dv, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
+        k, v, do, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
         K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
     nw, ns = _bwd_wy_config(BK, fp32)
     _bwd_wy_kernel[(N, B * H)](
@@ -941,7 +946,7 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
         q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, cr, T, H, Tp, scale,
         K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
         num_stages=ns)
-    _bwd_dg_kernel[(N, B * H)](qdp, bl, g, dg, cr, T, H, Tp, scale, NKB=triton.cdiv(K, BKB), C=C, VARLEN=varlen)
+    _bwd_dg_kernel[(N, B * H)](qdp, bl, g, dg, cr, T, H, Tp, NKB=triton.cdiv(K, BKB), C=C, VARLEN=varlen)
     return dq, dk, dv, dg, deta, dh0
 
 

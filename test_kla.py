@@ -1077,20 +1077,22 @@ def test_kernel_ab_tool_loads_another_version():
         assert torch.equal(x, y), name
 
 
-def test_sequential_kernels_load_each_step_ahead():
-    """The sequential kernels compiled for sm_90 (tools/ptxas_report.py, without the interpreter) issue every tile a
-    chunk's step loads stages ahead (cp.async): Triton pipelines a loop's load only when it feeds a product's operand,
-    so a tile written as a product's accumulator (dV0 + Wd dS1) is loaded synchronously, a memory round trip each
-    step (forward + backward 1.13x slower at batch 1 on an H200). The backward's one synchronous load is the next
-    chunk's b_C, a scalar used a step later."""
+def test_kernels_load_each_step_ahead():
+    """The kernels compiled for sm_90 (tools/ptxas_report.py, without the interpreter) issue every tile a loop's step
+    loads stages ahead (cp.async): Triton pipelines a loop's load only when it feeds a product's operand, so a tile
+    written as a product's accumulator (dV0 + Wd dS1) or used elementwise is loaded synchronously, a memory round trip
+    each step (forward + backward 1.13x slower at batch 1 on an H200). The sequential backward's one synchronous
+    load is the next chunk's b_C, a scalar used a step later."""
     code = ("import json, os, sys; os.environ.pop('TRITON_INTERPRET', None); sys.path.insert(0, 'tools'); "
-            "import ptxas_report; print(json.dumps(ptxas_report.sequential_loop_loads()))")
-    p = run("-c", code, timeout=600)
+            "import ptxas_report as p; print(json.dumps([p.sequential_loop_loads(), p.token_parallel_loop_loads()]))")
+    p = run("-c", code, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
-    loads = json.loads(p.stdout.strip().splitlines()[-1])
-    assert len(loads) == 4
-    for label, n_async, n_sync in loads:
+    sequential, token_parallel = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(sequential) == 4 and len(token_parallel) == 7
+    for label, n_async, n_sync in sequential:
         assert n_async >= 7 and n_sync == (1 if "_bwd_state_kernel" in label else 0), (label, n_async, n_sync)
+    for label, n_async, n_sync in token_parallel:
+        assert n_sync == 0, (label, n_async, n_sync)
 
 
 CONTROL_KERNEL = """

@@ -161,16 +161,18 @@ def chunk_kernels():
     return [(fn, {k: v for k, v in cx.items() if k in fn.arg_names}, nw, ns) for fn, cx, nw, ns in items]
 
 
+def token_parallel_loop_loads():
+    """[(label, pipelined, synchronous)]: the loads inside the loops of the token-parallel kernels (chunk_kernels)."""
+    return [(f"{fn.__name__} (BV {cx.get('BV', '-')}, {nw} warps, {ns} stages)",
+             *loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"]))
+            for fn, cx, nw, ns in chunk_kernels() if fn not in (kernel._fwd_kernel, kernel._bwd_state_kernel)]
+
+
 def loops_report():
     """Loads inside the loops of the sequential kernels and of the token-parallel kernels, bf16, K = V = 128."""
     print(f"Triton {triton.__version__}, sm_90, bf16, K = V = 128: loads inside loops, pipelined / synchronous")
-    for label, n_async, n_sync in sequential_loop_loads():
+    for label, n_async, n_sync in sequential_loop_loads() + token_parallel_loop_loads():
         print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
-    for fn, cx, nw, ns in chunk_kernels():
-        if fn not in (kernel._fwd_kernel, kernel._bwd_state_kernel):
-            n_async, n_sync = loop_loads(compile_kernel(fn, cx, nw, "bf16", ns).asm["ttgir"])
-            label = f"{fn.__name__} (BV {cx.get('BV', '-')}, {nw} warps, {ns} stages)"
-            print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
 
 
 SSA_DEF = re.compile(r"^\s*(%[\w.#]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")  # %name = op operands : types
