@@ -2512,7 +2512,7 @@ def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path)
     assert_clean_error(p, "error: out of memory on cpu at iteration 6 with batch_size = 4, block_size = 16: lower "
                           "batch_size", f"{out / 'ckpt.pt'} holds iteration 4 (continue with --init_from=resume)")
     assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == 4
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 4
     p = run("train.py", *args, "--init_from=resume")
     assert p.returncode == 0, p.stderr
     assert [r["iter"] for r in train_log(out) if "val_loss" in r][-1] == 12
