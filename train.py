@@ -577,6 +577,12 @@ def write_error(err):
 sigint_held = []  # non-empty while a file is being replaced; a Ctrl-C then waits for the end of the write
 
 
+def checkpoint_held():
+    """What ckpt_path holds, for the one line of a run stopped by Ctrl-C or out of memory."""
+    return (f"{ckpt_path} holds iteration {saved_iter} (continue with --init_from=resume)" if saved_iter is not None
+            else "no checkpoint was saved yet (run it again from scratch)")
+
+
 def on_sigint(signum, frame):
     """Ctrl-C: one line saying where the run stopped and what its checkpoint holds, and exit status 130 (a
     shell's for an interrupted command), instead of a KeyboardInterrupt traceback. During a checkpoint or log
@@ -585,9 +591,7 @@ def on_sigint(signum, frame):
         sigint_held.append(signum)
         return
     if master_process:
-        held = (f"{ckpt_path} holds iteration {saved_iter} (continue with --init_from=resume)" if saved_iter is not None
-                else "no checkpoint was saved yet (run it again from scratch)")
-        print(f"interrupted at iteration {iter_num}; {held}", file=sys.stderr, flush=True)
+        print(f"interrupted at iteration {iter_num}; {checkpoint_held()}", file=sys.stderr, flush=True)
     unlock_out_dir()
     sys.exit(130)  # 128 + SIGINT
 
@@ -667,11 +671,10 @@ def on_out_of_memory(kind, err, tb):
     checkpoint holds, exit status 1, instead of a traceback (other errors keep theirs)."""
     if not (issubclass(kind, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(err)):
         return sys.__excepthook__(kind, err, tb)
-    held = (f"{ckpt_path} holds iteration {saved_iter} (continue with --init_from=resume)" if saved_iter is not None
-            else "no checkpoint was saved yet")
-    print(f"error: out of memory on {device} at iteration {iter_num} with batch_size = {batch_size}, block_size = {block_size}: lower batch_size (raising "
-          f"gradient_accumulation_steps as much keeps the {tokens_per_iter:,} tokens a step; recompute_elementwise=True "
-          f"and fused_loss=True keep less); {held}", file=sys.stderr, flush=True)
+    print(f"error: out of memory on {device} at iteration {iter_num} with batch_size = {batch_size}, block_size = "
+          f"{block_size}: lower batch_size (raising gradient_accumulation_steps as much keeps the {tokens_per_iter:,} "
+          f"tokens a step; recompute_elementwise=True and fused_loss=True keep less); {checkpoint_held()}",
+          file=sys.stderr, flush=True)
     unlock_out_dir()
 
 
