@@ -264,7 +264,8 @@ def section_tune(device, smoke):
     """The chunk backward's token-parallel kernels, one variant at a time (kernel's config functions replaced):
     value columns, warps and pipeline stages of _bwd_cc_kernel, warps of _bwd_wy_kernel, key and value columns,
     warps and stages of _bwd_dqk_kernel; forward + backward time. Shapes (B, T, H, K[, V]); --shapes=0,2 picks
-    some by index. The first shape is the model's own heads. A faulting variant ends the process (time_variants)."""
+    some by index, --variants=wy the variants whose name holds the text (and the defaults). The first shape is the
+    model's own heads. A faulting variant ends the process (time_variants)."""
     shapes = [(1, 100, 2, 32)] if smoke else [MODEL_HEADS, (8, 4096, 16, 128), (16, 2048, 8, 64)]
     if ARGS.get("shapes") and not smoke:
         shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
@@ -283,6 +284,8 @@ def section_tune(device, smoke):
             variants.append((shape, True, "dq/dk BKB={} BV={} warps={} stages={}".format(*c), dqk(c)))
         variants.append((shape, True, "the K = 64 configurations: wy warps=8, dq/dk BKB=64 BV=32 warps=8 stages=1",
                          dict(_bwd_wy_config=lambda BK, fp32=False: (8, 3), **dqk((64, 32, 8, 1)))))
+    if ARGS.get("variants"):
+        variants = [v for v in variants if ARGS["variants"] in v[2] or v[2] == "default"]
     return "kernel.py chunk-backward variants (ms, do_bench median; peak MiB)", \
         ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
 
