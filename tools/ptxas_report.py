@@ -1,6 +1,6 @@
 """
-Registers and spills of kernel.py's kernels for sm_90 without a GPU (Triton 3.9 on CPU + its bundled
-ptxas-blackwell; a proxy for the H200's Triton 3.6 and ptxas). Usage:
+Registers and spills of kernel.py's kernels for sm_90 without a GPU (the installed Triton and the ptxas it runs for
+sm_90: with Triton 3.6, as on the H200, its bundled ptxas 12.8; with 3.9, ptxas-blackwell). Usage:
     python tools/ptxas_report.py [--fp32] [NAME ...]   (substrings of the kernel labels below; default: all)
 Prints kernel, K, V, dtype, constexprs, warps, registers, spill stores/loads (bytes), shared memory. A NAME in no
 label, or an unknown flag, is one error line naming the kernels or the flags.
@@ -26,6 +26,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton
 import triton.language as tl
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 
@@ -66,7 +67,7 @@ def compile_kernel(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
 
 def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
     ck = compile_kernel(fn, constexprs, num_warps, dtype, num_stages)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
+    ptxas = get_ptxas(90).path  # the ptxas the JIT runs for sm_90 with this Triton
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         open(p, "w").write(ck.asm["ptx"])
