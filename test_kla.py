@@ -3478,15 +3478,19 @@ def test_gpu_script_needs_a_gpu_and_checks_its_cases():
         assert code != 0 and "Traceback" not in err and phrase in err and len(err.splitlines()) == 1, (args, err)
 
 
-def test_bench_and_ptxas_report_refuse_bad_arguments_in_one_line():
+def test_bench_and_tools_refuse_bad_arguments_in_one_line():
     """bench.py's unknown arguments (a typo too) and a --plot file it cannot read; tools/ptxas_report.py's unknown
-    flags and kernel names: one line each, before any work."""
+    flags and kernel names; tools/ab_kernel.py's shapes, rounds and dtype: one line each, before any work."""
     assert_each_is_one_line("bench.py", [
         ("--secton=decode", "error: unknown argument '--secton=decode'; bench.py takes --smoke and --KEY=VALUE with KEY one of section,"),
         ("--plot=nofile.json", "error: --plot=nofile.json: cannot read it as an earlier run's bench.json (No such file")])
     assert_each_is_one_line(os.path.join("tools", "ptxas_report.py"), [
         ("nosuchkernel", "error: 'nosuchkernel' is in no kernel's label"),
         ("--fp32=1", "error: unknown flag '--fp32=1'; the flags are --fp32, --wgmma, --loops, --trans")])
+    assert_each_is_one_line(os.path.join("tools", "ab_kernel.py"), [
+        ("--shapes=9", "error: --shapes=9: must be indices 0..4, comma-separated"),
+        ("--rounds=0", "error: --rounds=0: must be an integer >= 1"),
+        ("--dtype=float16", "error: --dtype=float16: must be bfloat16 or float32")], "--old=kernel.py")
 
 
 def test_evaluate_writes_eval_json_atomically(trained, tmp_path):

@@ -4,9 +4,10 @@ medians, bench.py's inputs) at bench.py's kernel shapes and the model's heads, t
 several rounds so that both see the same GPU state. For deciding a kernel change; bench.py's kernel section then
 times the chosen code against fla and FlashQLA.
     git show <rev>:kernel.py > out-ab/kernel_old.py
-    python3 tools/ab_kernel.py --old=out-ab/kernel_old.py [--shapes=1,4] [--rounds=3]
-Prints a table (written to $OUT/ab_kernel.md when OUT is set). The other version's PyTorch operators are registered
-as kla_ab:: instead of kla::, so that both load side by side.
+    python3 tools/ab_kernel.py --old=out-ab/kernel_old.py [--shapes=1,4] [--rounds=3] [--dtype=float32]
+q, k and v are bfloat16, or float32 with --dtype=float32. Prints a table (written to $OUT/ab_kernel.md when OUT is
+set). The other version's PyTorch operators are registered as kla_ab:: instead of kla::, so that both load side by
+side.
 """
 import importlib.util
 import os
@@ -45,18 +46,24 @@ def main():
         sys.exit(f"error: --shapes={args['shapes']}: must be indices 0..{len(SHAPES) - 1}, comma-separated")
     if not args.get("rounds", "3").isdigit() or int(args.get("rounds", "3")) < 1:
         sys.exit(f"error: --rounds={args['rounds']}: must be an integer >= 1")
+    if args.get("dtype", "bfloat16") not in ("bfloat16", "float32"):
+        sys.exit(f"error: --dtype={args['dtype']}: must be bfloat16 or float32")
+    dtype = getattr(torch, args.get("dtype", "bfloat16"))
     if not torch.cuda.is_available():
         sys.exit("error: tools/ab_kernel.py times CUDA kernels and found no GPU")
     other = load_other(args["old"])
     shapes = [SHAPES[int(i)] for i in picks]
     rounds = int(args.get("rounds", 3))
     lines = [f"tools/ab_kernel.py on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-             f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating",
+             f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating, "
+             f"q, k, v in {dtype}",
              "", "| (B, T, H, K, V) | pass | old ms, each round | new ms, each round | new / old (medians) |",
              "|---|---|---|---|---|"]
     for B, T, H, K, V in shapes:
         for backward in (False, True):
-            xs = bench.inputs(B, T, H, K, "cuda", requires_grad=backward, V=V)
+            xs = [x.to(dtype) if x.dtype == torch.bfloat16 else x
+                  for x in bench.inputs(B, T, H, K, "cuda", V=V)]
+            xs = [x.requires_grad_(backward) for x in xs]
             times = {"old": [], "new": []}
             for _ in range(rounds):
                 for name, mod in (("old", other), ("new", kernel)):
