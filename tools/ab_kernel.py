@@ -46,9 +46,10 @@ def main():
         sys.exit(f"error: --shapes={args['shapes']}: must be indices 0..{len(SHAPES) - 1}, comma-separated")
     if not args.get("rounds", "3").isdigit() or int(args.get("rounds", "3")) < 1:
         sys.exit(f"error: --rounds={args['rounds']}: must be an integer >= 1")
-    if args.get("dtype", "bfloat16") not in ("bfloat16", "float32"):
-        sys.exit(f"error: --dtype={args['dtype']}: must be bfloat16 or float32")
-    dtype = getattr(torch, args.get("dtype", "bfloat16"))
+    dtype = args.get("dtype", "bfloat16")
+    if dtype not in ("bfloat16", "float32"):
+        sys.exit(f"error: --dtype={dtype}: must be bfloat16 or float32")
+    dtype = getattr(torch, dtype)
     if not torch.cuda.is_available():
         sys.exit("error: tools/ab_kernel.py times CUDA kernels and found no GPU")
     other = load_other(args["old"])
@@ -61,9 +62,8 @@ def main():
              "|---|---|---|---|---|"]
     for B, T, H, K, V in shapes:
         for backward in (False, True):
-            xs = [x.to(dtype) if x.dtype == torch.bfloat16 else x
+            xs = [(x.to(dtype) if x.dtype == torch.bfloat16 else x).requires_grad_(backward)
                   for x in bench.inputs(B, T, H, K, "cuda", V=V)]
-            xs = [x.requires_grad_(backward) for x in xs]
             times = {"old": [], "new": []}
             for _ in range(rounds):
                 for name, mod in (("old", other), ("new", kernel)):
