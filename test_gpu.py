@@ -478,6 +478,10 @@ def main():
             (2, 2000, 6, 96, 192, bf16, True, True, wide),
             # many programs at K = V = 64 (the forward's 64 value columns and 3 stages)
             (16, 1000, 8, 64, 64, bf16, True, True, wide),
+            # no gradient (prefill): the output inside the sequential forward, no states saved, with few programs
+            # (16 heads at batch 1: 128 programs of 16 value columns) and with many
+            (1, 4096, 16, 128, 128, bf16, True, True, wide, dict(grad=False)),
+            (8, 2000, 16, 128, 128, bf16, True, True, wide, dict(grad=False)),
         ]
         cases = [c if len(c) == 10 else c + ({},) for c in cases]
     pick = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")), None)
