@@ -1075,6 +1075,11 @@ def test_kernel_ab_tool_loads_another_version():
     b = outputs_and_grads(kernel.kla_chunk, inputs, True)
     for name, x, y in zip(NAMES, a, b):
         assert torch.equal(x, y), name
+    # the tool's check that the two versions agree: exactly here, and not with another scale
+    assert ab_kernel.difference(other, kernel, inputs[:5], True) == 0.0
+    chunk = other.kla_chunk
+    other.kla_chunk = lambda *xs, **kw: chunk(*xs, scale=0.5, **kw)
+    assert ab_kernel.difference(other, kernel, inputs[:5], True) > 1e-2
 
 
 def test_kernels_load_each_step_ahead():

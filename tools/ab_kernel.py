@@ -6,8 +6,8 @@ times the chosen code against fla and FlashQLA.
     git show <rev>:kernel.py > out-ab/kernel_old.py
     python3 tools/ab_kernel.py --old=out-ab/kernel_old.py [--shapes=1,4] [--rounds=3] [--dtype=float32]
 q, k and v are bfloat16, or float32 with --dtype=float32. Prints a table (written to $OUT/ab_kernel.md when OUT is
-set). The other version's PyTorch operators are registered as kla_ab:: instead of kla::, so that both load side by
-side.
+set), with the largest relative difference between the two versions' outputs and gradients on each row's inputs.
+The other version's PyTorch operators are registered as kla_ab:: instead of kla::, so that both load side by side.
 """
 import importlib.util
 import os
@@ -37,6 +37,24 @@ def load_other(path):
     return mod
 
 
+def difference(old, new, xs, backward):
+    """Largest relative difference ||new - old|| / ||old|| of the two versions' outputs on the same inputs, and with
+    backward of every input's gradient (the same dO): a variant that times well but computes something else shows
+    here (test_gpu.py checks against float64)."""
+    results = []
+    do = None
+    for mod in (old, new):
+        xs = [x.detach().requires_grad_(backward) for x in xs]
+        with torch.set_grad_enabled(backward):
+            o = mod.kla_chunk(*xs, eps=bench.EPS)[0]
+        if backward:
+            do = torch.randn_like(o) if do is None else do
+            o.backward(do)
+        results.append([o.detach()] + ([x.grad for x in xs] if backward else []))
+    return max(((b.double() - a.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
+               for a, b in zip(*results))
+
+
 def main():
     args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
     if not os.path.isfile(args.get("old", "")):
@@ -58,8 +76,8 @@ def main():
     lines = [f"tools/ab_kernel.py on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
              f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating, "
              f"q, k, v in {dtype}",
-             "", "| (B, T, H, K, V) | pass | old ms, each round | new ms, each round | new / old (medians) |",
-             "|---|---|---|---|---|"]
+             "", "| (B, T, H, K, V) | pass | old ms, each round | new ms, each round | new / old (medians) | "
+             "new vs old, largest relative difference |", "|---|---|---|---|---|---|"]
     for B, T, H, K, V in shapes:
         for backward in (False, True):
             xs = [(x.to(dtype) if x.dtype == torch.bfloat16 else x).requires_grad_(backward)
@@ -73,7 +91,8 @@ def main():
             old, new = (statistics.median(times[n]) for n in ("old", "new"))
             lines.append(f"| ({B}, {T}, {H}, {K}, {V}) | {'fwd+bwd' if backward else 'fwd'} | "
                          + " / ".join(f"{t:.3f}" for t in times["old"]) + " | "
-                         + " / ".join(f"{t:.3f}" for t in times["new"]) + f" | {new / old:.3f} |")
+                         + " / ".join(f"{t:.3f}" for t in times["new"]) + f" | {new / old:.3f} | "
+                         + f"{difference(other, kernel, xs, backward):.1e} |")
             print(lines[-1], flush=True)
             del xs
             torch.cuda.empty_cache()
