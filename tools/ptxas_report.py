@@ -80,8 +80,9 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
 
 
 def configs(K, fp32=False):
-    """(label, kernel, constexprs, warps): the chosen configuration of every backward kernel first
-    (marked *), then alternatives; head size K = V."""
+    """(label, kernel, constexprs, warps, stages): the chosen configuration of every token-parallel backward kernel
+    first (marked *), then alternatives; with fp32 only the chosen ones, and the sequential kernels'; head size
+    K = V."""
     BK = kernel._block_k(K)
     base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="ieee" if fp32 else "tf32",
                 DT=tl.float32 if fp32 else tl.bfloat16)
@@ -92,7 +93,13 @@ def configs(K, fp32=False):
     out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw, ns))
     bkb, bv, nw, ns = kernel._bwd_dqk_config(BK, K, fp32)
     out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw, ns))
-    if fp32:
+    if fp32:  # and the sequential kernels, whose float32 configuration does not depend on the shape
+        bv, nw, ns = kernel._seq_config(1, K, fp32=True)
+        fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True, FOLD=False, SAVE_VN=False, VARLEN=False)
+        out.append((f"* _fwd_kernel K=V={K}", kernel._fwd_kernel, dict(base, BV=bv, **fwd), nw, ns))
+        bv, nw, ns = kernel._seq_config(1, K, fp32=True, bwd=True)
+        bwd = dict(USE_DHT=True, STORE_DH0=True, VARLEN=False)
+        out.append((f"* _bwd_state_kernel K=V={K}", kernel._bwd_state_kernel, dict(base, BV=bv, **bwd), nw, ns))
         return out
     for bv, nw in ((16, 4), (32, 8), (64, 8)):
         out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw, 1))
