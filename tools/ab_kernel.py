@@ -44,13 +44,13 @@ def difference(old, new, xs, backward):
     results = []
     do = None
     for mod in (old, new):
-        xs = [x.detach().requires_grad_(backward) for x in xs]
+        leaves = [x.detach().requires_grad_(backward) for x in xs]
         with torch.set_grad_enabled(backward):
-            o = mod.kla_chunk(*xs, eps=bench.EPS)[0]
+            o = mod.kla_chunk(*leaves, eps=bench.EPS)[0]
         if backward:
             do = torch.randn_like(o) if do is None else do
             o.backward(do)
-        results.append([o.detach()] + ([x.grad for x in xs] if backward else []))
+        results.append([o.detach()] + ([x.grad for x in leaves] if backward else []))
     return max(((b.double() - a.double()).norm() / a.double().norm().clamp_min(1e-30)).item()
                for a, b in zip(*results))
 

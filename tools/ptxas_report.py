@@ -79,6 +79,10 @@ def compile_report(fn, constexprs, num_warps, dtype="bf16", num_stages=1):
     return (int(regs.group(1)) if regs else None, spill.groups() if spill else None, ck.metadata.shared)
 
 
+SEQ_FWD = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True, VARLEN=False)  # _fwd_kernel as in training
+SEQ_BWD = dict(USE_DHT=True, STORE_DH0=True, VARLEN=False)  # _bwd_state_kernel
+
+
 def configs(K, fp32=False):
     """(label, kernel, constexprs, warps, stages): the chosen configuration of every token-parallel backward kernel
     first (marked *), then alternatives; with fp32 only the chosen ones, and the sequential kernels'; head size
@@ -95,11 +99,9 @@ def configs(K, fp32=False):
     out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw, ns))
     if fp32:  # and the sequential kernels, whose float32 configuration does not depend on the shape
         bv, nw, ns = kernel._seq_config(1, K, fp32=True)
-        fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True, FOLD=False, SAVE_VN=False, VARLEN=False)
-        out.append((f"* _fwd_kernel K=V={K}", kernel._fwd_kernel, dict(base, BV=bv, **fwd), nw, ns))
+        out.append((f"* _fwd_kernel K=V={K}", kernel._fwd_kernel, dict(base, BV=bv, **SEQ_FWD), nw, ns))
         bv, nw, ns = kernel._seq_config(1, K, fp32=True, bwd=True)
-        bwd = dict(USE_DHT=True, STORE_DH0=True, VARLEN=False)
-        out.append((f"* _bwd_state_kernel K=V={K}", kernel._bwd_state_kernel, dict(base, BV=bv, **bwd), nw, ns))
+        out.append((f"* _bwd_state_kernel K=V={K}", kernel._bwd_state_kernel, dict(base, BV=bv, **SEQ_BWD), nw, ns))
         return out
     for bv, nw in ((16, 4), (32, 8), (64, 8)):
         out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw, 1))
@@ -114,12 +116,10 @@ def sequential_configs():
     """(label, kernel, constexprs, warps, stages): _fwd_kernel (output inside, chunk states saved) and
     _bwd_state_kernel, bf16, K = V = 128, at the configurations kernel._seq_config gives 16 heads at batch 1 and
     128 sequence-heads."""
-    base = dict(K=128, V=128, C=64, BK=128, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
-    fwd = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True)
-    bwd = dict(USE_DHT=True, STORE_DH0=True)
+    base = dict(K=128, V=128, C=64, BK=128, PREC="tf32", DT=tl.bfloat16)
     out = []
     for BH, who in ((16, "16 heads at batch 1"), (128, "128 sequence-heads")):
-        for fn, extra, is_bwd in ((kernel._fwd_kernel, fwd, False), (kernel._bwd_state_kernel, bwd, True)):
+        for fn, extra, is_bwd in ((kernel._fwd_kernel, SEQ_FWD, False), (kernel._bwd_state_kernel, SEQ_BWD, True)):
             BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
             out.append((f"{fn.__name__}, {who} (BV {BV}, {nw} warps, {ns} stages)", fn, dict(base, BV=BV, **extra),
                         nw, ns))
