@@ -9,12 +9,21 @@ value must have that type (an int is accepted for a float): a typo or a wrong ty
 and a non-zero exit before anything runs, not a silently ignored setting or a traceback.
 
 It also gives the script check() and check_device(), with which it checks the range of every setting
-right after the overrides, before any work: a value out of range is the same kind of one-line error.
+right after the overrides, before any work: a value out of range is the same kind of one-line error; and
+settings_checked(), which ends the script there when only its settings are to be checked.
 """
 import builtins
+import os
+import signal
 import sys
 import types
 from ast import literal_eval
+
+# a reader of the output that stops early (python sample.py | head) ends the script quietly, as it ends any Unix
+# command, not with a BrokenPipeError traceback (Python ignores SIGPIPE unless told otherwise). Every file the
+# scripts write is written whole or not at all, so an end at any print loses nothing.
+if hasattr(signal, "SIGPIPE"):
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 def _config_error(msg):
@@ -80,7 +89,7 @@ def check_device(device, dtype):
     works but is several times slower than float32 there: a warning. Returns the device type."""
     import torch
     kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdecimal())):
         _config_error(f"device = {device!r}: must be 'cpu', 'cuda', 'cuda:<index>' or 'mps'")
     if kind == "cuda" and not torch.cuda.is_available():
         _config_error(f"device = {device!r}: no CUDA GPU is available here; use --device=cpu")
@@ -97,3 +106,11 @@ def check_device(device, dtype):
         print(f"warning: dtype = {dtype!r} on the CPU runs several times slower than float32 "
               "(--dtype=float32)", file=sys.stderr)
     return kind
+
+
+def settings_checked():
+    """Called by a script once every setting is checked, before any work. With KLA_CHECK_SETTINGS=1 in the environment
+    the script ends there, exit status 0: experiments.py checks in this way the flags it passes to train.py and
+    evaluate.py (--train_args, --eval_args) before it prepares data or trains."""
+    if os.environ.get("KLA_CHECK_SETTINGS") == "1":
+        sys.exit(0)

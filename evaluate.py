@@ -76,11 +76,15 @@ def in_training(path):
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 device_type = check_device(device, dtype)
 check("batch_size", batch_size >= 1, ">= 1")
-check("factors", all(f.strip().isdigit() and int(f) >= 1 for f in factors.split(",")),
+check("factors", all(f.strip().isdecimal() and int(f) >= 1 for f in factors.split(",")),
       "integers >= 1 separated by commas, e.g. 1,2,4,8")
 check("eval_batches", eval_batches >= 1, ">= 1")
 check("max_examples", max_examples >= 0, ">= 0 (0: all)")
 check("seed", seed >= 0, ">= 0")
+check("out_dir", not os.path.isfile(out_dir),
+      "the folder of a run (train.py's out_dir, which holds ckpt.pt), not a file")
+check("data_dir", not os.path.isfile(data_dir), "a folder ('': the one the model was trained with), not a file")
+settings_checked()
 signal.signal(signal.SIGINT, on_sigint)
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -90,7 +94,7 @@ if training:
     print(f"{out_dir} is in use by a train.py that has not ended: the results are printed, {eval_path} is not written",
           flush=True)
 try:
-    checkpoint = read_checkpoint(ckpt_path, device)
+    checkpoint = read_checkpoint(ckpt_path, device, needs=("model", "model_args", "meta", "config", "iter_num"))
     model = GPT.from_checkpoint(checkpoint, backend="auto").to(device).eval()  # the fastest path here
 except ValueError as err:
     fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))
@@ -132,9 +136,18 @@ if "test_lengths" not in meta:  # language modelling: the numbers reported come 
 
 
 def read(name, dtype, length):
+    """The data file name mapped: (examples, length) for length > 0, else its tokens. A file that is missing, empty
+    or cut short (not a whole number of tokens or examples) is one line naming it."""
     path = os.path.join(data_path, name)
     if not os.path.exists(path):
         fail(f"{path} not found; prepare the data first (python prepare_data.py --dataset={config['dataset']})")
+    dtype, size = np.dtype(dtype), os.path.getsize(path)
+    unit = dtype.itemsize * max(length, 1)
+    if size == 0 or size % unit:
+        what = f"examples of {length} {dtype.name} values" if length else f"{dtype.name} tokens"
+        held = "is empty" if not size else f"holds {size} bytes, not a whole number of {what} ({unit} bytes each)"
+        fail(f"{path} {held}: a damaged file; prepare the data again (python prepare_data.py "
+             f"--dataset={config['dataset']})")
     return np.memmap(path, dtype=dtype, mode="r").reshape(-1, length) if length else np.memmap(path, dtype=dtype, mode="r")
 
 
@@ -146,6 +159,15 @@ if "test_lengths" not in meta:  # every window against every split it is drawn f
             fail(f"factors = {factors!r}: the {split} split holds {tokens} tokens, too few for windows of "
                  f"{too_long[0] * block_size} (factor {too_long[0]} x block_size {block_size}); the factors it allows "
                  f"are 1 to {(tokens - 1) // block_size}")
+else:  # every test set and its labels, before the first is evaluated
+    test_sets = {}
+    for length in meta["test_lengths"]:
+        x, y = read(f"test_{length}.bin", np.uint16, length), read(f"test_{length}_labels.bin", np.int16, length)
+        if len(x) != len(y):
+            fail(f"{data_path}/test_{length}_labels.bin holds the labels of {len(y)} examples, and test_{length}.bin "
+                 f"{len(x)} examples: a damaged file; prepare the data again (python prepare_data.py "
+                 f"--dataset={config['dataset']})")
+        test_sets[length] = x, y
 
 
 @torch.no_grad()
@@ -176,8 +198,7 @@ def packed(x, y):
 
 
 def recall_accuracy(length):
-    x = read(f"test_{length}.bin", np.uint16, length)
-    y = read(f"test_{length}_labels.bin", np.int16, length)
+    x, y = test_sets[length]
     n = min(len(x), max_examples or len(x))
     correct = total = 0
     for i in range(0, n, batch_size):
@@ -241,14 +262,16 @@ else:
     columns = ["test_loss", "val_loss"] + ["padded_loss", "document_loss", "padding_share"] * padded
 name = f"{config['dataset']}, mixer {checkpoint['model_args']['mixer']}, trained at {block_size} tokens" \
     + (", read as documents" if documents else "")
-print(f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c in columns)} |\n|---|---|"
-      + "---|" * len(columns))
-for r in results:
-    print(f"| {r['length']} | {r['length'] / block_size:g} | " + " | ".join(f"{r[c]:.4f}" for c in columns) + " |")
-if not training:
+table = [f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c in columns)} |\n|---|---|"
+         + "---|" * len(columns)]
+table += [f"| {r['length']} | {r['length'] / block_size:g} | " + " | ".join(f"{r[c]:.4f}" for c in columns) + " |"
+          for r in results]
+if not training:  # written before the table is printed: a reader of the output that stops early (| head) loses nothing
     try:  # atomically: a write cut short (a full disk) leaves no eval.json half written, and an old one as it was
         write_file(eval_path, {"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"],
                                "seed": config["seed"], "iter_num": checkpoint["iter_num"], "documents": documents,
                                "padded": padded, "results": results})
     except OSError as err:
+        print("\n".join(table), flush=True)
         fail(f"cannot write {eval_path}: {err.strerror}")
+print("\n".join(table))

@@ -48,7 +48,10 @@ task, mixer or rule and seed under another --root, with other settings, or train
 naming the row, and writes nothing; collect such runs into another --results_dir, or replace the rows with
 --overwrite=True. The same run collected again gives the same row, which is no replacement.
 --root (unless --collect=True, where it must exist) and the tables' folders must be folders this user can make and
-write: checked with the other settings, before any work.
+write: checked with the other settings, before any work. So are --train_args and --eval_args: train.py (for each task
+and mixer or rule) and evaluate.py are run up to the end of their own checks of their settings, and a flag they refuse
+is one line here; flags that this script sets for each run (--out_dir, --seed, --mixer, ...) are refused there, as is
+a task, mixer, step rule or seed given twice.
 """
 import csv
 import io
@@ -110,9 +113,23 @@ check("step_rules", not step_rules or all(r in STEP_RULE_FLAGS for r in step_rul
       f"step rules separated by commas, from {', '.join(STEP_RULE_FLAGS)} ('': none)")
 check("mixers", not step_rules or mixers in ("kla", "gdn"),
       "one mixer, 'kla' or 'gdn', with --step_rules (which vary the layer of that mixer)")
-check("seeds", all(s.isdigit() for s in seeds.split(",")), "integers >= 0 separated by commas, e.g. 1,2,3")
+check("seeds", all(s.isdecimal() for s in seeds.split(",")), "integers >= 0 separated by commas, e.g. 1,2,3")
+for key in ("tasks", "mixers", "step_rules", "seeds"):  # a run named twice would be trained twice at once
+    items = [int(v) if key == "seeds" else v for v in globals()[key].split(",")] if globals()[key] else []
+    check(key, len(set(items)) == len(items),
+          "given once each" + (" (01 and 1 are one seed)" if key == "seeds" else ""))
+# the flags that this script gives each run itself: the same in --train_args or --eval_args would override them, and a
+# run would train another seed, mixer or dataset than its name and row say, or into another run's folder
+PER_RUN = {"train_args": (["out_dir", "seed", "mixer", "dataset", "data_dir", "init_from"]
+                          + ["step_rule", "decay"] * bool(step_rules),
+                          "--root, --seeds, --mixers, --step_rules, --tasks or --data_dir"),
+           "eval_args": (["out_dir"], "--root")}
+for key, (names, instead) in PER_RUN.items():
+    given = [a.partition("=")[0] for a in globals()[key].split() if a.partition("=")[0][2:] in names]
+    check(key, not given, f"other flags than {', '.join('--' + n for n in names)}, which experiments.py sets for each "
+                          f"run (given: {', '.join(given)}; use {instead})")
 check("jobs", jobs >= 1, ">= 1")
-check("gpus", not gpus or all(g.isdigit() for g in gpus.split(",")), "GPU indices separated by commas, e.g. 0,1 ('': all)")
+check("gpus", not gpus or all(g.isdecimal() for g in gpus.split(",")), "GPU indices separated by commas, e.g. 0,1 ('': all)")
 check("deadline", deadline >= 0, ">= 0 seconds (0: none)")
 check("n_train", n_train >= 0, ">= 0 (0: the authors' 20,000)")
 for key in ("root", "data_dir", "results_dir"):
@@ -138,6 +155,35 @@ def runs():
         for name, flags in models.items():
             for seed in seeds.split(","):
                 yield task, flags, int(seed), os.path.join(root, f"{task}-{name}-{seed}")
+
+
+def train_cmd(task, flags, seed, out_dir):
+    """The train.py command of a run (a resume adds --init_from=resume)."""
+    return ["train.py", TASKS[task][0], *flags, f"--seed={seed}", f"--out_dir={out_dir}", f"--data_dir={data_dir}",
+            "--sample_tokens=0"] + train_args.split()
+
+
+def check_flags():
+    """--train_args and --eval_args as train.py and evaluate.py take them, before any work: a typo found once the data
+    is prepared, or once every run has trained, would cost all of that. train.py's command of each task and mixer or
+    rule (the seed changes nothing there), and evaluate.py's, are run up to the end of their checks of their settings
+    (KLA_CHECK_SETTINGS=1: configurator.settings_checked), at once; the first refusal is one line here."""
+    cmds = {}
+    if train_args:
+        for task, flags, seed, out_dir in runs():
+            model = " ".join([TASKS[task][0], *flags])
+            cmds.setdefault(("train_args", "train.py", model), train_cmd(task, flags, seed, out_dir))
+    if eval_args:
+        cmds[("eval_args", "evaluate.py", "")] = ["evaluate.py", f"--out_dir={root}"] + eval_args.split()
+    env = dict(os.environ, KLA_CHECK_SETTINGS="1")
+    procs = {k: subprocess.Popen([sys.executable] + cmd, cwd=here, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True) for k, cmd in cmds.items()}
+    for (key, script, after), p in procs.items():
+        err = p.communicate()[1]
+        if p.returncode:
+            said = (err.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+            said = said.removeprefix("config error: ").removeprefix("error: ")
+            check(key, False, f"flags that {script} takes{' after ' + after if after else ''} (it says: {said})")
 
 
 def writable(folder):
@@ -329,8 +375,7 @@ def run_all(todo):
         while waiting and len(running) < jobs and not stop():
             task, flags, seed, out_dir = waiting.pop(0)
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # stopped or killed before: go on from it
-            cmd = ["train.py", TASKS[task][0], *flags, f"--seed={seed}", f"--out_dir={out_dir}",
-                   f"--data_dir={data_dir}", "--sample_tokens=0"] + train_args.split() + ["--init_from=resume"] * resume
+            cmd = train_cmd(task, flags, seed, out_dir) + ["--init_from=resume"] * resume
             gpu_of[out_dir] = least_busy(devices, gpu_of, running)
             running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
             on = f" on GPU {gpu_of[out_dir]}" if gpu_of[out_dir] is not None else ""
@@ -547,6 +592,8 @@ def not_done():
 
 def main():
     check_folders()
+    if not collect:
+        check_flags()
     failed = []
     if not collect:
         todo = not_done()

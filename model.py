@@ -27,7 +27,7 @@ import math
 import numbers
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -293,14 +293,21 @@ def resolve_backend(backend, device_type):
     return backend
 
 
-def read_checkpoint(path, device="cpu"):
+# the entries of train.py's checkpoints and their types; read_checkpoint checks those that its caller reads
+CHECKPOINT_FIELDS = {"model": dict, "model_args": dict, "meta": dict, "config": dict, "optimizer": dict, "rng": dict,
+                     "iter_num": int, "best_val_loss": (int, float)}
+
+
+def read_checkpoint(path, device="cpu", needs=("model", "model_args")):
     """The dict that train.py saved, read as data only (weights_only=True: nothing in the file runs).
-    A missing or damaged file raises ValueError naming it."""
+    A missing or damaged file raises ValueError naming it, as does a file that torch.load reads but that lacks an
+    entry of needs (CHECKPOINT_FIELDS), or holds one of another type: a tensor saved by other code, a dict of weights
+    alone, a hand-edited checkpoint."""
     if not os.path.exists(path):
         raise ValueError(f"{path} does not exist; train a model first (python train.py "
                          f"--out_dir={os.path.dirname(path) or '.'})")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
     except Exception as err:
         lines = str(err).splitlines() or [""]
         detail = lines[0]
@@ -308,6 +315,19 @@ def read_checkpoint(path, device="cpu"):
             detail = next((line.strip() for line in lines[1:] if line.strip() and "weights_only" not in line
                            and "WeightsUnpickler" not in line), "not a checkpoint written by train.py, or a damaged one")
         raise ValueError(f"cannot load {path}: {type(err).__name__}: {detail}") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not the dict of a checkpoint that train.py "
+                         "writes (the weights, model_args, meta, ...)")
+    missing = [k for k in needs if k not in checkpoint]
+    wrong = [f"{k} is a {type(checkpoint[k]).__name__}" for k in needs
+             if k in checkpoint and not isinstance(checkpoint[k], CHECKPOINT_FIELDS[k])]
+    if "model" in needs and not wrong and "model" in checkpoint and not all(
+            isinstance(v, torch.Tensor) for v in checkpoint["model"].values()):
+        wrong.append("model holds other things than tensors")
+    if missing or wrong:
+        raise ValueError(f"{path} is not a checkpoint that train.py writes, or a damaged one: "
+                         + "; ".join(([f"it has no {', '.join(map(repr, missing))}"] if missing else []) + wrong))
+    return checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -879,7 +899,16 @@ class GPT(nn.Module):
         """The model of a checkpoint dict from read_checkpoint; overrides change config fields that do not
         change the weights, such as backend. (Weights of a torch.compile'd model, saved by other code, have
         their keys under '_orig_mod.'.)"""
-        model = cls(GPTConfig(**{**checkpoint["model_args"], **overrides}))
+        args = {**checkpoint["model_args"], **overrides}
+        unknown = sorted(args.keys() - {f.name for f in fields(GPTConfig)})
+        if unknown:
+            raise ValueError(f"checkpoint's model_args hold {unknown[:4]}, which this model.py does not know; it was "
+                             "written by a different version of the model")
+        try:
+            config = GPTConfig(**args)
+        except TypeError as err:  # a value of another type than the field's, e.g. n_layer '4'
+            raise ValueError(f"checkpoint's model_args do not fit this model.py ({err}): a damaged file") from None
+        model = cls(config)
         state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
         ours = model.state_dict()
         missing, unexpected = ours.keys() - state.keys(), state.keys() - ours.keys()
@@ -888,6 +917,10 @@ class GPT(nn.Module):
             raise ValueError(f"checkpoint does not match this model.py: missing {sorted(missing)[:4]}, unexpected "
                              f"{sorted(unexpected)[:4]}, other shapes {sorted(resized)[:4]}; it was written by a "
                              "different version of the model")
+        nonfinite = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
+        if nonfinite:  # train.py saves none: the file was damaged or made otherwise
+            raise ValueError(f"checkpoint holds weights that are not finite: {nonfinite[:4]}; train.py never saves "
+                             "such weights: a damaged file")
         model.load_state_dict(state)
         return model
 

@@ -541,4 +541,5 @@ if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     check("max_tokens", max_tokens >= 1, ">= 1")
     check("n_train", n_train >= 0, ">= 0 (0: the authors' 20,000)")
+    check("data_dir", data_dir != "", "a folder (made if missing), as train.py takes it; '' would be the current one")
     prepare(dataset, data_dir, source_dir or None, max_tokens, n_train)

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import math
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -41,6 +42,14 @@ def fail(msg):
     sys.exit(1)
 
 
+def on_sigint(signum, frame):
+    """Ctrl-C (e.g. to stop a long --max_new_tokens): one line on stderr and exit status 130 (a shell's for an
+    interrupted command), no traceback; the tokens printed so far stay. (Nothing is printed to stdout here: the
+    interrupt may come in the middle of a print to it.)"""
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 device_type = check_device(device, dtype)
 check("num_samples", num_samples >= 1, ">= 1")
@@ -51,13 +60,16 @@ check("temperature", temperature == 0 or 1e-4 <= temperature < math.inf,
       "a finite number >= 0 and, other than 0 (greedy), >= 1e-4 (below that sampling is greedy in effect)")
 check("top_k", top_k >= 0, ">= 0 (0: all tokens)")
 check("seed", 0 <= seed < 2**63, ">= 0 and < 2**63")
+check("out_dir", not os.path.isfile(out_dir),
+      "the folder of a run (train.py's out_dir, which holds ckpt.pt), not a file")
+signal.signal(signal.SIGINT, on_sigint)
 torch.manual_seed(seed)
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 try:
-    checkpoint = read_checkpoint(ckpt_path, device)
+    checkpoint = read_checkpoint(ckpt_path, device, needs=("model", "model_args", "meta"))
     model = GPT.from_checkpoint(checkpoint, backend="auto")  # the fastest path here, whatever it was trained with
 except ValueError as err:
     fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))

@@ -1625,10 +1625,13 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "nothing left to train" in p.stdout and "evaluated 1 runs" in p.stdout, p.stdout
     assert [json.loads(line)["iter"] for line in open(run_dir / "log.jsonl") if '"val_loss"' in line] == evals
-    # a run that fails: its exit status and its last line in experiments.py's own output
-    p = run(*exp, "--seeds=2", "--train_args=" + " ".join(small + ["--max_iters=0"]), timeout=300)
+    # a run that fails: its exit status and its last line in experiments.py's own output (a block_size that the
+    # task's examples refuse: found by train.py once it reads the data; a setting out of range is refused before any
+    # run, test_experiments_checks_the_flags_of_its_runs_before_any_work)
+    p = run(*exp, "--seeds=2", "--train_args=" + " ".join(small + ["--max_iters=6", "--block_size=64"]), timeout=300)
     assert_clean_error(p, f"error: 1 run(s) failed: {root / 'mqar_small-kla-2'}")
-    assert f"failed {root / 'mqar_small-kla-2'} (exit 2)\n    config error: max_iters = 0: must be >= 1" in p.stdout, p.stdout
+    assert f"failed {root / 'mqar_small-kla-2'} (exit 1)\n    error: {data / 'mqar_small'} holds examples of 128 " \
+           "tokens: set --block_size=128" in p.stdout, p.stdout
 
 
 def test_experiments_leaves_a_run_in_use_alone(tmp_path):
@@ -2661,6 +2664,45 @@ def test_evaluate_ctrl_c_is_one_line(trained, tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 
+def test_sample_ctrl_c_is_one_line(trained):
+    """Ctrl-C in sample.py (stopping a long --max_new_tokens): `interrupted`, exit status 130, no traceback."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={trained}", "--device=cpu",
+                             "--dtype=float32", "--num_samples=1", f"--max_new_tokens={10 ** 9}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc.stdout.read(300)  # the settings, then tokens as they are sampled
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == b"interrupted\n", err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(trained, tmp_path):
+    """sample.py and evaluate.py whose output nobody reads any more (python sample.py | head, the reader gone): they
+    end quietly, by SIGPIPE as any Unix command, not with a BrokenPipeError traceback; evaluate.py writes eval.json
+    before it prints the table, so that a reader gone during the evaluation loses nothing."""
+    shutil.copy(os.path.join(trained, "ckpt.pt"), tmp_path / "ckpt.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # each print written at once, as on a terminal
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first token
+    try:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={tmp_path}", "--device=cpu",
+                            "--num_samples=1"], stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                           timeout=120)
+    finally:
+        os.close(write_end)
+    assert p.returncode == -signal.SIGPIPE and p.stderr == "", (p.returncode, p.stderr)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "evaluate.py"), f"--out_dir={tmp_path}", "--device=cpu",
+                             "--dtype=float32", "--factors=1", "--eval_batches=1", "--batch_size=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    for line in proc.stdout:  # the settings, printed before the evaluation
+        if line.startswith("Overriding: batch_size"):
+            break
+    proc.stdout.close()  # gone during the evaluation, before the table
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == -signal.SIGPIPE and err == "", (proc.returncode, err)
+    assert json.loads((tmp_path / "eval.json").read_text())["iter_num"] == 8
+
+
 def test_config_file_errors_name_the_file_and_evaluate_names_its_flags(trained, tmp_path):
     """A config file with a syntax error, or one that calls sys.exit(0), is one line naming the file (not <string>,
     not a silent exit 0); evaluate.py's need for an end-of-text token names only the flags given."""
@@ -2805,6 +2847,23 @@ def test_sample_settings_are_checked_before_any_work(tmp_path):
     assert_each_is_one_line("sample.py", cases, f"--out_dir={tmp_path}", "--device=cpu")  # no checkpoint there
 
 
+def test_digits_and_folders_are_checked_before_any_work(tmp_path):
+    """A factor written with a digit that int() does not take (a superscript), an out_dir or data_dir that is a file,
+    prepare_data.py's data_dir '' (the current folder): one line naming the value, before any work."""
+    (tmp_path / "file").write_text("")
+    file = tmp_path / "file"
+    assert_each_is_one_line("evaluate.py", [("--factors=1,\u00b2", "factors = '1,\u00b2': must be integers >= 1"),
+                                            (f"--out_dir={file}", f"out_dir = '{file}': must be the folder of a run"),
+                                            (f"--data_dir={file}", f"data_dir = '{file}': must be a folder")],
+                            "--device=cpu")
+    assert_each_is_one_line("sample.py", [(f"--out_dir={file}", f"out_dir = '{file}': must be the folder of a run "
+                                                                "(train.py's out_dir, which holds ckpt.pt), not a file")],
+                            "--device=cpu")
+    p = run("prepare_data.py", "--dataset=mqar_small", "--data_dir=", "--n_train=10")
+    assert_clean_error(p, "config error: data_dir = '': must be a folder (made if missing)")
+    assert not os.path.exists(os.path.join(ROOT, "mqar_small"))
+
+
 def test_not_a_checkpoint_gives_no_unsafe_advice(tmp_path):
     """A file of random bytes as ckpt.pt: one line that does not pass on PyTorch's advice to load it with
     weights_only=False (which would run whatever code an untrusted file holds)."""
@@ -2812,6 +2871,49 @@ def test_not_a_checkpoint_gives_no_unsafe_advice(tmp_path):
     code, err = run_each("sample.py", [[f"--out_dir={tmp_path}", "--device=cpu"]])[0]
     assert code != 0 and "cannot load" in err and len(err.splitlines()) == 1, err
     assert "weights_only" not in err, err
+
+def test_a_checkpoint_that_train_py_did_not_write_is_one_line(trained, tiny_data, tmp_path):
+    """A ckpt.pt that torch.load reads but that is not what train.py writes (a tensor saved by other code, a dict
+    without an entry that the command reads, model_args with a field this model.py does not know or of another type,
+    non-finite weights, a damaged optimizer or RNG state): one line naming the file and what is wrong, from train.py
+    --init_from=resume, sample.py and evaluate.py; the files are left as they were."""
+    good = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)
+    nan = {k: v * float("nan") if v.is_floating_point() else v for k, v in good["model"].items()}
+    variants = {"tensor": torch.zeros(3), "no_meta": {k: v for k, v in good.items() if k != "meta"},
+                "no_optimizer": {k: v for k, v in good.items() if k != "optimizer"},
+                "no_iter_num": {k: v for k, v in good.items() if k != "iter_num"},
+                "newer": dict(good, model_args=dict(good["model_args"], bogus=1)),
+                "str_arg": dict(good, model_args=dict(good["model_args"], n_layer="1")),
+                "nan": dict(good, model=nan), "empty_optimizer": dict(good, optimizer={}),
+                "bad_rng": dict(good, rng={"python": 1})}
+    for name, obj in variants.items():
+        (tmp_path / name).mkdir()
+        torch.save(obj, tmp_path / name / "ckpt.pt")
+        shutil.copy(os.path.join(trained, "log.jsonl"), tmp_path / name / "log.jsonl")
+    saved = {name: (tmp_path / name / "ckpt.pt").read_bytes() for name in variants}
+    holds_a_tensor = "ckpt.pt holds a Tensor, not the dict of a checkpoint that train.py writes"
+    newer = "checkpoint's model_args hold ['bogus'], which this model.py does not know"
+    not_finite = "checkpoint holds weights that are not finite: ['blocks.0."
+    for script, cases, args in (
+            ("sample.py", [("tensor", holds_a_tensor), ("no_meta", "is not a checkpoint that train.py writes, or a "
+                                                                   "damaged one: it has no 'meta'"),
+                           ("newer", newer), ("str_arg", "checkpoint's model_args do not fit this model.py"),
+                           ("nan", not_finite)], ["--device=cpu", "--max_new_tokens=2"]),
+            ("evaluate.py", [("tensor", holds_a_tensor), ("no_iter_num", "it has no 'iter_num'"), ("newer", newer),
+                             ("nan", not_finite)], ["--device=cpu", "--factors=1", "--eval_batches=1"]),
+            ("train.py", [("tensor", holds_a_tensor), ("no_optimizer", "it has no 'optimizer'"), ("newer", newer),
+                          ("nan", not_finite), ("empty_optimizer", "its optimizer state cannot be loaded (KeyError"),
+                          ("bad_rng", "its random number generator states cannot be restored")],
+             [*TINY, f"--data_dir={tiny_data}", "--init_from=resume", "--max_iters=12"])):
+        results = run_each(script, [[f"--out_dir={tmp_path / name}", *args] for name, _ in cases])
+        for (name, phrase), (code, err) in zip(cases, results, strict=True):
+            assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1, (script, name, err)
+            assert f"{tmp_path / name / 'ckpt.pt'}" in err and phrase in err, (script, name, err)
+    for name in variants:
+        assert (tmp_path / name / "ckpt.pt").read_bytes() == saved[name], name
+        assert (tmp_path / name / "log.jsonl").read_bytes() == open(os.path.join(trained, "log.jsonl"), "rb").read()
+        assert sorted(os.listdir(tmp_path / name)) == ["ckpt.pt", "log.jsonl"], name
+
 
 # -----------------------------------------------------------------------------
 # step-size rules: GPTConfig.step_rule and decay, the ablation of KLA's step size (model.STEP_RULES)
@@ -3316,6 +3418,30 @@ def test_experiments_settings_are_checked_before_any_work(tmp_path, arg, phrase)
     assert len(p.stderr.splitlines()) == 1 and not root.exists() and not data.exists() and not (tmp_path / "res").exists()
 
 
+def test_experiments_checks_the_flags_of_its_runs_before_any_work(tmp_path):
+    """--train_args and --eval_args that train.py or evaluate.py refuse (a typo, a value out of range), flags there that
+    experiments.py sets for each run, and a task, mixer or seed given twice (two train.py into one folder): one line
+    before any data is prepared or run started, not a failure of every run after the data (or after all the
+    training, for --eval_args)."""
+    root, data, res = tmp_path / "exp", tmp_path / "data", tmp_path / "res"
+    cases = [("--train_args=--max_iter=2", "train_args = '--max_iter=2': must be flags that train.py takes after "
+                                           "config/mqar_small.py --mixer=kla (it says: unknown config key 'max_iter'"),
+             ("--train_args=--max_iters=0", "(it says: max_iters = 0: must be >= 1)"),
+             ("--eval_args=--max_example=4", "eval_args = '--max_example=4': must be flags that evaluate.py takes (it "
+                                             "says: unknown config key 'max_example'"),
+             ("--train_args=--seed=3", "train_args = '--seed=3': must be other flags than --out_dir, --seed, --mixer"),
+             ("--eval_args=--out_dir=x", "eval_args = '--out_dir=x': must be other flags than --out_dir, which "
+                                         "experiments.py sets for each run"),
+             ("--seeds=1,01", "seeds = '1,01': must be given once each (01 and 1 are one seed)"),
+             ("--mixers=kla,kla", "mixers = 'kla,kla': must be given once each"),
+             ("--seeds=1,\u00b2", "seeds = '1,\u00b2': must be integers >= 0")]
+    results = run_each("experiments.py", [["--tasks=mqar_small", "--mixers=kla", f"--root={root}", f"--data_dir={data}",
+                                           f"--results_dir={res}", arg] for arg, _ in cases])
+    for (arg, phrase), (code, err) in zip(cases, results, strict=True):
+        assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1 and phrase in err, (arg, err)
+    assert not root.exists() and not data.exists() and not res.exists()
+
+
 def test_experiments_writes_its_tables_atomically(tmp_path):
     """A results table is written whole to a temporary file renamed over the old one: a full disk (the temporary
     file sent to /dev/full) is one line, and the old table and no temporary file are left. write_file writes text
@@ -3528,6 +3654,38 @@ def test_evaluate_checks_every_window_before_any_evaluation(trained):
     assert_clean_error(p, "factors = '1,2,100000': the test split holds", "too few for windows of 1600000 "
                           "(factor 100000 x block_size 16); the factors it allows are 1 to ")
     assert len(p.stderr.splitlines()) == 1 and "| length |" not in p.stdout
+
+
+def test_evaluate_checks_its_data_files_before_any_evaluation(tiny_recall, tiny_data, trained, tmp_path):
+    """A test set or split that is empty, cut short (not a whole number of tokens or examples) or whose labels are
+    those of fewer examples, of any length: one line naming the file before the first length is evaluated (not
+    numpy's reshape error, or torch's, after the lengths before it)."""
+    out, lm = tmp_path / "recall", tmp_path / "lm"
+    p = run("train.py", *TINY, f"--data_dir={tiny_recall}", "--dataset=tinyrecall", "--block_size=32",
+            f"--out_dir={out}", "--max_iters=1", "--eval_interval=1")
+    assert p.returncode == 0, p.stderr
+    lm.mkdir()
+    shutil.copy(os.path.join(trained, "ckpt.pt"), lm / "ckpt.pt")
+    damaged = {"cut": ("test_64.bin", lambda b: b[:-2]), "labels": ("test_64_labels.bin", lambda b: b[:len(b) // 2]),
+               "empty": ("test.bin", lambda b: b""), "odd": ("val.bin", lambda b: b[:-1])}
+    for name, (file, cut) in damaged.items():
+        src = os.path.join(tiny_recall, "tinyrecall") if "64" in file else os.path.join(tiny_data, "shakespeare_char")
+        dst = tmp_path / name / os.path.basename(src)
+        shutil.copytree(src, dst)
+        (dst / file).write_bytes(cut((dst / file).read_bytes()))
+    cases = [([f"--out_dir={out}", f"--data_dir={tmp_path / 'cut'}"],
+              "tinyrecall/test_64.bin holds 5118 bytes, not a whole number of examples of 64 uint16 values (128 bytes "
+              "each): a damaged file; prepare the data again"),
+             ([f"--out_dir={out}", f"--data_dir={tmp_path / 'labels'}"],
+              "tinyrecall/test_64_labels.bin holds the labels of 20 examples, and test_64.bin 40 examples"),
+             ([f"--out_dir={lm}", f"--data_dir={tmp_path / 'empty'}"], "shakespeare_char/test.bin is empty"),
+             ([f"--out_dir={lm}", f"--data_dir={tmp_path / 'odd'}"],
+              "shakespeare_char/val.bin holds 2435 bytes, not a whole number of uint16 tokens")]
+    results = run_each("evaluate.py", [[*args, "--device=cpu", "--dtype=float32", "--factors=1", "--eval_batches=1"]
+                                       for args, _ in cases])
+    for (args, phrase), (code, err) in zip(cases, results, strict=True):
+        assert code != 0 and "Traceback" not in err and len(err.splitlines()) == 1 and phrase in err, (args, err)
+    assert not (out / "eval.json").exists() and not (lm / "eval.json").exists()
 
 
 def test_prepare_data_errors_keep_the_old_dataset(tmp_path, monkeypatch):

@@ -229,6 +229,7 @@ try:
     GPTConfig(**model_args)
 except ValueError as err:
     fail(str(err))
+settings_checked()
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 
@@ -403,7 +404,9 @@ iter_num, best_val_loss, evals_since_best = 0, float("inf"), 0
 saved_iter = None  # the iteration whose weights ckpt_path holds; None: no checkpoint yet
 if init_from == "resume":
     try:
-        checkpoint = read_checkpoint(ckpt_path)  # on the CPU (RNG states there; weights moved below)
+        # on the CPU (RNG states there; weights moved below), with the entries a resume reads
+        checkpoint = read_checkpoint(ckpt_path, needs=("model", "model_args", "optimizer", "rng", "iter_num",
+                                                       "best_val_loss"))
     except ValueError as err:
         fail(str(err))
     # the backend is how the mixer is computed, not what it computes: it may change between runs; a field the
@@ -461,17 +464,24 @@ if master_process:
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bf16 does not
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (KeyError, ValueError, TypeError, IndexError) as err:
+        fail(f"{ckpt_path}: its optimizer state cannot be loaded ({type(err).__name__}: {err}): a damaged file")
     if any(t.dim() and t.shape != p.shape for p in model.parameters() for t in optimizer.state.get(p, {}).values()):
         fail(f"{ckpt_path}: its optimizer state does not match the model's weights (another version of train.py?)")
     if scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved by a run not in float16: a fresh scale
         scaler.load_state_dict(checkpoint["scaler"])
     rng = checkpoint["rng"]
-    random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
-    np.random.set_state(("MT19937", rng["numpy"][0].numpy().astype(np.uint32), *rng["numpy"][1:]))
-    torch.set_rng_state(rng["torch"].cpu())
-    if torch.cuda.is_available() and rng.get("cuda"):
-        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    try:
+        random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+        np.random.set_state(("MT19937", rng["numpy"][0].numpy().astype(np.uint32), *rng["numpy"][1:]))
+        torch.set_rng_state(rng["torch"].cpu())
+        if torch.cuda.is_available() and rng.get("cuda"):
+            torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError) as err:
+        fail(f"{ckpt_path}: its random number generator states cannot be restored ({type(err).__name__}: {err}): "
+             "a damaged file")
     checkpoint = None  # free it
 
 raw_model = model  # the plain module: its state_dict keys have no '_orig_mod.' or 'module.' prefix
