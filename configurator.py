@@ -9,8 +9,9 @@ value must have that type (an int is accepted for a float): a typo or a wrong ty
 and a non-zero exit before anything runs, not a silently ignored setting or a traceback.
 
 It also gives the script check() and check_device(), with which it checks the range of every setting
-right after the overrides, before any work: a value out of range is the same kind of one-line error; and
-settings_checked(), which ends the script there when only its settings are to be checked.
+right after the overrides, before any work: a value out of range is the same kind of one-line error;
+check_run_folder() for a script's out_dir that names a trained run; quit_on_ctrl_c(); and settings_checked(), which
+ends the script there when only its settings are to be checked.
 """
 import builtins
 import os
@@ -106,6 +107,22 @@ def check_device(device, dtype):
         print(f"warning: dtype = {dtype!r} on the CPU runs several times slower than float32 "
               "(--dtype=float32)", file=sys.stderr)
     return kind
+
+
+def check_run_folder(key="out_dir"):
+    """The setting key names the folder of a trained run (train.py's out_dir, which holds ckpt.pt), not a file."""
+    check(key, not os.path.isfile(globals()[key]),
+          "the folder of a run (train.py's out_dir, which holds ckpt.pt), not a file")
+
+
+def quit_on_ctrl_c():
+    """From here on Ctrl-C prints one line, `interrupted`, on stderr and exits with status 130 (a shell's for an
+    interrupted command), instead of a KeyboardInterrupt traceback. For scripts that write their one file last and
+    atomically, or none (sample.py, evaluate.py); nothing goes to stdout, which the interrupt may have cut mid-print."""
+    def on_sigint(signum, frame):
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def settings_checked():

@@ -25,7 +25,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
 
 import json
-import signal
 import sys
 from contextlib import nullcontext
 
@@ -57,13 +56,6 @@ def fail(msg):
     sys.exit(1)
 
 
-def on_sigint(signum, frame):
-    """Ctrl-C: one line and exit status 130 (a shell's for an interrupted command), no traceback. eval.json is
-    written last and atomically: an interrupt before leaves the old one (or none), never one half written."""
-    print("interrupted", file=sys.stderr, flush=True)
-    sys.exit(130)
-
-
 def in_training(path):
     """Whether a train.py holds the lock on the folder path that it holds while it trains (train.py's lock_out_dir).
     The probe takes a shared lock, which train.py's exclusive one excludes, and lets go of it at once."""
@@ -81,11 +73,10 @@ check("factors", all(f.strip().isdecimal() and int(f) >= 1 for f in factors.spli
 check("eval_batches", eval_batches >= 1, ">= 1")
 check("max_examples", max_examples >= 0, ">= 0 (0: all)")
 check("seed", seed >= 0, ">= 0")
-check("out_dir", not os.path.isfile(out_dir),
-      "the folder of a run (train.py's out_dir, which holds ckpt.pt), not a file")
+check_run_folder()
 check("data_dir", not os.path.isfile(data_dir), "a folder ('': the one the model was trained with), not a file")
 settings_checked()
-signal.signal(signal.SIGINT, on_sigint)
+quit_on_ctrl_c()
 
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 eval_path = os.path.join(out_dir, "eval.json")

@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import math
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -42,14 +41,6 @@ def fail(msg):
     sys.exit(1)
 
 
-def on_sigint(signum, frame):
-    """Ctrl-C (e.g. to stop a long --max_new_tokens): one line on stderr and exit status 130 (a shell's for an
-    interrupted command), no traceback; the tokens printed so far stay. (Nothing is printed to stdout here: the
-    interrupt may come in the middle of a print to it.)"""
-    print("interrupted", file=sys.stderr, flush=True)
-    sys.exit(130)
-
-
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 device_type = check_device(device, dtype)
 check("num_samples", num_samples >= 1, ">= 1")
@@ -60,9 +51,8 @@ check("temperature", temperature == 0 or 1e-4 <= temperature < math.inf,
       "a finite number >= 0 and, other than 0 (greedy), >= 1e-4 (below that sampling is greedy in effect)")
 check("top_k", top_k >= 0, ">= 0 (0: all tokens)")
 check("seed", 0 <= seed < 2**63, ">= 0 and < 2**63")
-check("out_dir", not os.path.isfile(out_dir),
-      "the folder of a run (train.py's out_dir, which holds ckpt.pt), not a file")
-signal.signal(signal.SIGINT, on_sigint)
+check_run_folder()
+quit_on_ctrl_c()
 torch.manual_seed(seed)
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
