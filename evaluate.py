@@ -257,12 +257,14 @@ table = [f"{name}\n\n| length | x train | {' | '.join(c.replace('_', ' ') for c 
          + "---|" * len(columns)]
 table += [f"| {r['length']} | {r['length'] / block_size:g} | " + " | ".join(f"{r[c]:.4f}" for c in columns) + " |"
           for r in results]
+unwritten = None
 if not training:  # written before the table is printed: a reader of the output that stops early (| head) loses nothing
     try:  # atomically: a write cut short (a full disk) leaves no eval.json half written, and an old one as it was
         write_file(eval_path, {"dataset": config["dataset"], "mixer": checkpoint["model_args"]["mixer"],
                                "seed": config["seed"], "iter_num": checkpoint["iter_num"], "documents": documents,
                                "padded": padded, "results": results})
     except OSError as err:
-        print("\n".join(table), flush=True)
-        fail(f"cannot write {eval_path}: {err.strerror}")
-print("\n".join(table))
+        unwritten = f"cannot write {eval_path}: {err.strerror}"
+print("\n".join(table), flush=True)
+if unwritten:
+    fail(unwritten)
