@@ -1,8 +1,8 @@
 """
 kernel.py against another version of it, in one process: kla_chunk's forward and forward + backward ms (do_bench
 medians, bench.py's inputs) at bench.py's kernel shapes and the model's heads, the two versions alternating for
-several rounds so that both see the same GPU state. For deciding a kernel change; bench.py's kernel section then
-times the chosen code against fla and FlashQLA.
+several rounds so that both see the same GPU state, taking turns at running first. For deciding a kernel change;
+bench.py's kernel section then times the chosen code against fla and FlashQLA.
     git show <rev>:kernel.py > out-ab/kernel_old.py
     python3 tools/ab_kernel.py --old=out-ab/kernel_old.py [--shapes=1,4] [--rounds=3] [--dtype=float32]
 q, k and v are bfloat16, or float32 with --dtype=float32. Prints a table (written to $OUT/ab_kernel.md when OUT is
@@ -75,6 +75,7 @@ def main():
     rounds = int(args.get("rounds", 3))
     lines = [f"tools/ab_kernel.py on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
              f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating, "
+             f"old first in rounds 1, 3, ..., "
              f"q, k, v in {dtype}",
              "", "| (B, T, H, K, V) | pass | old ms, each round | new ms, each round | new / old (medians) | "
              "new vs old, largest relative difference |", "|---|---|---|---|---|---|"]
@@ -83,8 +84,9 @@ def main():
             xs = [(x.to(dtype) if x.dtype == torch.bfloat16 else x).requires_grad_(backward)
                   for x in bench.inputs(B, T, H, K, "cuda", V=V)]
             times = {"old": [], "new": []}
-            for _ in range(rounds):
-                for name, mod in (("old", other), ("new", kernel)):
+            for i in range(rounds):  # which version runs first alternates: the second of a pair can time slower
+                pair = (("old", other), ("new", kernel))
+                for name, mod in (pair if i % 2 == 0 else pair[::-1]):
                     def run(q, k, v, g, eta, mod=mod):
                         return mod.kla_chunk(q, k, v, g, eta, eps=bench.EPS)[0]
                     times[name].append(bench.timed(run, xs, backward, "cuda")[0])
