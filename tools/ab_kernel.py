@@ -84,7 +84,7 @@ def main():
             xs = [(x.to(dtype) if x.dtype == torch.bfloat16 else x).requires_grad_(backward)
                   for x in bench.inputs(B, T, H, K, "cuda", V=V)]
             times = {"old": [], "new": []}
-            for i in range(rounds):  # which version runs first alternates: neither always times in the wake of the other
+            for i in range(rounds):  # the version run first alternates: neither always runs in the wake of the other
                 pair = (("old", other), ("new", kernel))
                 for name, mod in (pair if i % 2 == 0 else pair[::-1]):
                     def run(q, k, v, g, eta, mod=mod):
