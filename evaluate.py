@@ -94,6 +94,8 @@ model.set_backend(device_type)
 meta, config = checkpoint["meta"], checkpoint["config"]
 block_size = checkpoint["model_args"]["block_size"]
 data_path = os.path.join(data_dir or config["data_dir"], config["dataset"])
+PREPARE = f"python prepare_data.py --dataset={config['dataset']}"  # what makes the data again
+PREPARE_AGAIN = f"prepare the data again ({PREPARE})"
 if documents or padded:  # the end-of-text token of the data read here
     try:
         with open(os.path.join(data_path, "meta.json")) as f:
@@ -103,12 +105,11 @@ if documents or padded:  # the end-of-text token of the data read here
     if eot is None:
         given = " and ".join(f"{k}=True" for k, v in (("documents", documents), ("padded", padded)) if v)
         fail(f"{given} need{'' if documents and padded else 's'} the end-of-text token that ends each document, and "
-             f"{data_path}/meta.json names none: prepare the data again (python prepare_data.py "
-             f"--dataset={config['dataset']}); shakespeare_char and the synthetic tasks have none")
+             f"{data_path}/meta.json names none: {PREPARE_AGAIN}; shakespeare_char and the synthetic tasks have none")
 if "test_lengths" not in meta:  # language modelling: the numbers reported come from the test split
     if not os.path.exists(os.path.join(data_path, "test.bin")):
-        fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py "
-             f"--dataset={config['dataset']}), which splits it by document into train, val and test, then train again")
+        fail(f"{data_path} has no test split (test.bin): prepare it again ({PREPARE}), which splits it by document "
+             "into train, val and test, then train again")
     if "test_tokens" not in meta:
         fail(f"{ckpt_path} was trained on data without a test split, whose training split may hold the test "
              "documents: train it again on the data as prepare_data.py splits it")
@@ -117,8 +118,7 @@ if "test_lengths" not in meta:  # language modelling: the numbers reported come 
             data_meta = json.load(f)
         there = [data_meta[f"{split}_tokens"] for split in ("train", "val", "test")]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        fail(f"{data_path}/meta.json is missing or damaged ({type(err).__name__}: {err}); prepare the data again "
-             f"(python prepare_data.py --dataset={config['dataset']})")
+        fail(f"{data_path}/meta.json is missing or damaged ({type(err).__name__}: {err}); {PREPARE_AGAIN}")
     trained_on = [meta[f"{split}_tokens"] for split in ("train", "val", "test")]
     if there != trained_on:
         fail(f"{data_path} is not split as the data {ckpt_path} was trained on (train / val / test tokens "
@@ -131,15 +131,15 @@ def read(name, dtype, length):
     or cut short (not a whole number of tokens or examples) is one line naming it."""
     path = os.path.join(data_path, name)
     if not os.path.exists(path):
-        fail(f"{path} not found; prepare the data first (python prepare_data.py --dataset={config['dataset']})")
+        fail(f"{path} not found; prepare the data first ({PREPARE})")
     dtype, size = np.dtype(dtype), os.path.getsize(path)
     unit = dtype.itemsize * max(length, 1)
     if size == 0 or size % unit:
         what = f"examples of {length} {dtype.name} values" if length else f"{dtype.name} tokens"
         held = "is empty" if not size else f"holds {size} bytes, not a whole number of {what} ({unit} bytes each)"
-        fail(f"{path} {held}: a damaged file; prepare the data again (python prepare_data.py "
-             f"--dataset={config['dataset']})")
-    return np.memmap(path, dtype=dtype, mode="r").reshape(-1, length) if length else np.memmap(path, dtype=dtype, mode="r")
+        fail(f"{path} {held}: a damaged file; {PREPARE_AGAIN}")
+    data = np.memmap(path, dtype=dtype, mode="r")
+    return data.reshape(-1, length) if length else data
 
 
 if "test_lengths" not in meta:  # every window against every split it is drawn from, before any evaluation
@@ -156,8 +156,7 @@ else:  # every test set and its labels, before the first is evaluated
         x, y = read(f"test_{length}.bin", np.uint16, length), read(f"test_{length}_labels.bin", np.int16, length)
         if len(x) != len(y):
             fail(f"{data_path}/test_{length}_labels.bin holds the labels of {len(y)} examples, and test_{length}.bin "
-                 f"{len(x)} examples: a damaged file; prepare the data again (python prepare_data.py "
-                 f"--dataset={config['dataset']})")
+                 f"{len(x)} examples: a damaged file; {PREPARE_AGAIN}")
         test_sets[length] = x, y
 
 
