@@ -491,7 +491,10 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
     """Backward, part 2 (grid (chunks, B*H)): the C x C algebra of a chunk. From _bwd_cc_kernel's dO Vn^T,
     dU Vn^T and gate terms: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain
     rule, dg (reverse cumsum) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
-    E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk."""
+    E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk. Every operand is requested at
+    the start, before the first product (not one round trip to memory between products): forward + backward 0.988x
+    the time at (8, 4096, 16, 128), 0.993x at the model's heads, 0.987x at (1, 32768) on an H100
+    (`python tools/ab_kernel.py`, results/bench_h100/wy_loads.md)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -507,20 +510,26 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
     db = tl.load(dbl + i_bh * Tp + rt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
+    m = rx < xe
+    # every operand requested here, before the first product: one round trip to memory instead of one per product
+    bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
+    bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
+    dOVn = tl.load(dovn + ar_off + r[:, None] * C + r[None, :]).to(dt)
+    baqk = tl.load(aqk + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
+    bdp = tl.load(dp + ar_off + r[:, None] * C + r[None, :])
+    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    eta_c = tl.load(eta + (i_b * T + rx) * H + i_h, mask=m, other=0.)
+    bg = tl.load(g + (i_b * T + rx) * H + i_h, mask=m, other=0.)
     # output path: dA = scale dO U^T = scale (dO Vn^T) P^T (causal); dq, dk take dA o Gamma and its transpose
     gam_t = tl.exp2(tl.where(causal_t, bl[None, :] - bl[:, None], float("-inf")))
-    bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
     P_t = (bar_t * beta[:, None] * gam_t).to(dt)
-    dOVn = tl.load(dovn + ar_off + r[:, None] * C + r[None, :]).to(dt)
     dA = tl.where(causal, scale * tl.dot(dOVn, P_t, input_precision=PREC), 0.)
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
     tl.store(dag + ar_off + r[:, None] * C + r[None, :], (dA * gam).to(dag.dtype.element_ty))
-    F = dA * tl.load(aqk + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)  # dA o Gamma o QK^T (dA is causal)
+    F = dA * baqk  # dA o Gamma o QK^T (dA is causal)
     db += tl.sum(F, 1) - tl.sum(F, 0)
-    bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     # WY path: P = Gamma o (Ar Diag(beta)), Ar = (I + A0)^-1, A0 = StrictTril(Diag(beta) K K^T)
-    bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
-    dM = tl.where(causal, tl.load(dp + ar_off + r[:, None] * C + r[None, :]) * gam, 0.)
+    dM = tl.where(causal, bdp * gam, 0.)
     F = dM * bar * beta[None, :]
     db += tl.sum(F, 1) - tl.sum(F, 0)
     dbeta = tl.sum(dM * bar, 0)
@@ -530,16 +539,14 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
     # dk += E K + E^T K in _bwd_dqk_kernel, which loads E both ways from memory
     tl.store(emat + ar_off + r[:, None] * C + r[None, :], (dA0 * beta[:, None]).to(emat.dtype.element_ty))
     # the chain rule through beta(||k||^2, eta): deta, and dk += 2 dbeta (d beta / d r2) k in _bwd_dqk_kernel
-    m = rx < xe
     kf = bk.to(tl.float32)
-    d_eta, d_r2 = _dbeta(tl.sum(kf * kf, 1), tl.load(eta + (i_b * T + rx) * H + i_h, mask=m, other=0.), beta,
-                         eps, KACZ)
+    d_eta, d_r2 = _dbeta(tl.sum(kf * kf, 1), eta_c, beta, eps, KACZ)
     bdeta = dbeta * d_eta
     if KACZ:
         tl.store(coef + i_bh * Tp + rt, 2.0 * dbeta * d_r2)
     # b = cumsum(g): dg_j = sum_{i >= j} db_i; 0 below the floor that _prep_kernel raised g to
     bdg = tl.sum(tl.where(causal, db[:, None], 0.), 0)
-    bdg = tl.where(tl.load(g + (i_b * T + rx) * H + i_h, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
+    bdg = tl.where(bg < GATE_FLOOR, 0., bdg)
     tl.store(dg + (i_b * T + rx) * H + i_h, bdg, mask=m)
     tl.store(deta + (i_b * T + rx) * H + i_h, bdeta, mask=m)
 
@@ -558,7 +565,9 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     this kernel forms anyway rather than from K S0 and Q S0 in _bwd_cc_kernel's value loop (there dVn o (K S0) needed
     dVn loaded beside the loop's products, synchronously: Triton pipelines only loads that feed a product). On an
     H200 forward + backward 0.985x the time at (8, 4096, 16, 128), 0.969x at (4, 8192), 0.992x at (1, 32768), 0.965x
-    at the model's heads (`python tools/ab_kernel.py`, results/bench_h200/dvn_rows.md)."""
+    at the model's heads (`python tools/ab_kernel.py`, results/bench_h200/dvn_rows.md). The epilogue's loads issued
+    together before its first product, as _bwd_wy_kernel's are, took 1.010x the time at (8, 4096, 16, 128) on an H100
+    (139 registers a thread against 111: three programs an SM instead of four; results/bench_h100/wy_loads.md)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
