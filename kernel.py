@@ -850,7 +850,8 @@ def _bwd_wy_config(BK, fp32=False):
     """(warps, pipeline stages) of _bwd_wy_kernel. Forward + backward on an H200 (`python bench.py --section=tune`,
     ms, 8 warps against 4): 4.23 against 4.01 at the model's heads (32, 2048, 6, 96 / 192), 4.46 against 4.17 at
     (8, 4096, 16, 128), but 1.13 against 1.44 at (16, 2048, 8, 64). Neither spills at K = 128 (255 registers a
-    thread at 4 warps, 181 at 8; tools/ptxas_report.py): the two programs an SM holds at 4 warps gain more. No loop to pipeline: the stages are Triton's default."""
+    thread at 4 warps, 181 at 8; tools/ptxas_report.py): the two programs an SM holds at 4 warps gain more. No loop
+    to pipeline: the stages are Triton's default."""
     return (4 if fp32 or BK >= 128 else 8), 3
 
 
