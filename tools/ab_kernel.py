@@ -75,7 +75,7 @@ def main():
     rounds = int(args.get("rounds", 3))
     lines = [f"tools/ab_kernel.py on {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
              f"{triton.__version__}: this kernel.py (new) against {args['old']} (old), {rounds} rounds alternating, "
-             f"old first in rounds 1, 3, ..., "
+             "old first in rounds 1, 3, ..., "
              f"q, k, v in {dtype}",
              "", "| (B, T, H, K, V) | pass | old ms, each round | new ms, each round | new / old (medians) | "
              "new vs old, largest relative difference |", "|---|---|---|---|---|---|"]
