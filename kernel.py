@@ -31,11 +31,11 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
                        dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
     _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
-                       accumulators dO Vn^T and dU Vn^T, the gate terms of the loop, Uc = Diag(exp(b_C - b)) U.
+                       accumulators dO Vn^T and dU Vn^T, Uc = Diag(exp(b_C - b)) U, and exp(b_C) <S0, dS1>.
     _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
-                       beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E = Diag(beta) dA0.
-    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, two C x BKB accumulators; the
-                       rows of (dO S0^T) o Q over its key columns, a term of the gate gradient.
+                       beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E + E^T, E = Diag(beta) dA0.
+    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, three C x BKB accumulators; from
+                       them the gate gradient's terms that need S0 or dS1, over its key columns.
     _bwd_dg_kernel     grid (chunks, B*H): sums those over the key blocks and adds their share to dg.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 The step size beta and its derivatives are the helpers _beta and _dbeta, used by every kernel here and in
@@ -50,9 +50,9 @@ per (sequence, head, value block) walks that sequence's chunks from its initial 
 sequences run in parallel. Nothing is copied.
 
 On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
-(fla #640). Here only tiles loaded from memory are transposed into a dot (one dot result, U in _bwd_cc_kernel, is
-transposed into an elementwise product, never a dot); the products that need a transposed computed matrix (E^T K of
-the WY backward and dA^T Q) load E and dA o Gamma transposed from the buffers _bwd_wy_kernel wrote.
+(fla #640). Here only tiles loaded from memory are transposed into a dot (one computed matrix, E in _bwd_wy_kernel,
+is transposed into a sum, never a dot); the product that needs a transposed computed matrix (dA^T Q) loads
+dA o Gamma transposed from the buffer _bwd_wy_kernel wrote.
 """
 
 import math
@@ -415,7 +415,7 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cu, cs, orde
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
+def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, ssc, cr, T, H, Tp, scale,
                    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 1 (grid (chunks, B*H)): the reductions over the value dimension that need S0 and dS1
@@ -423,9 +423,12 @@ def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, d
     Vn dU^T (no C x K one; Vn enters both products as computed, dU^T is built from transposes of loaded tiles:
     one K-deep product a value block fewer than with Vn^T, forward + backward 0.93x the time at (8, 4096, 16,
     128) and at the model's heads on an H200, `python tools/ab_kernel.py`). Writes
-        Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and the gate gradient terms of the
-        value loop but two (d / d b, natural log domain, per position; the two that need Q S0 and K S0 come from
-        _bwd_dqk_kernel)."""
+        Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and exp(b_C) <S0, dS1>, the gate
+        gradient's term of the decay across the chunk (its other terms that need S0 or dS1 come from
+        _bwd_dqk_kernel's accumulators). Among those, the rows exp(b_C - b_i) k_i^T dS1 u_i of (Uc dS1^T) o K: formed
+    here from U transposed, they cost this loop 188 B of spills a thread (16 without); moved, with E + E^T stored once
+    by _bwd_wy_kernel, forward + backward took 0.960x the time at (8, 4096, 16, 128) on an H200 (moved alone 1.009x;
+    results/bench_h200/bwd_gate_terms.md)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -452,8 +455,6 @@ def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, d
 
     dOVn_t = tl.zeros([C, C], dtype=tl.float32)   # (dO Vn^T)^T = Vn dO^T
     dP_t = tl.zeros([C, C], dtype=tl.float32)     # (dU Vn^T)^T = Vn dU^T
-    db = tl.zeros([C], dtype=tl.float32)        # d / d b (natural log domain)
-    cS = tl.zeros([C], dtype=tl.float32)        # exp(b_C - b_i) k_i^T dS1 u_i
     sS = tl.zeros([BV], dtype=tl.float32)       # column sums of S0 o dS1
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
@@ -471,7 +472,6 @@ def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, d
         # dU^T = scale dO^T (Gamma o QK^T) + (Diag(e^{b_C - b}) K dS1)^T from the transposes of loaded tiles, so that
         # the two C x C products take Vn as it is (no computed matrix is transposed into a dot)
         kdS_t = tl.dot(tl.trans(dS1), tl.trans(bk), input_precision=PREC) * ecb[None, :]
-        cS += tl.sum(tl.trans(U) * kdS_t, 0)
         dU_t = scale * tl.dot(tl.trans(bdo), baqk, input_precision=PREC) + kdS_t
         dOVn_t = tl.dot(Vn, tl.trans(bdo), acc=dOVn_t, input_precision=PREC)
         dP_t = tl.dot(Vn, dU_t.to(dt), acc=dP_t, input_precision=PREC)
@@ -479,21 +479,19 @@ def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, d
     # stored transposed: dO Vn^T and dU Vn^T in the buffers' row order
     tl.store(dovn + i_bh * Tp * C + rt[None, :] * C + r[:, None], dOVn_t.to(dovn.dtype.element_ty))
     tl.store(dp + i_bh * Tp * C + rt[None, :] * C + r[:, None], dP_t.to(dp.dtype.element_ty))
-    db -= cS  # the terms exp(b) rows of scale dO o (Q S0) - dVn o (K S0) come from _bwd_dqk_kernel (_bwd_dg_kernel)
-    db += tl.where(r == C - 1, tl.sum(cS, 0) + tl.exp2(blC) * tl.sum(sS, 0), 0.)
-    tl.store(dbl + i_bh * Tp + rt, db)
+    tl.store(ssc + i_bh * N + i_n, tl.exp2(blC) * tl.sum(sS, 0))
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp,
+def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dag, emat, coef, dg, deta, cr, T, H, Tp,
                    scale, eps, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, KACZ: tl.constexpr,
                    VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
-    """Backward, part 2 (grid (chunks, B*H)): the C x C algebra of a chunk. From _bwd_cc_kernel's dO Vn^T,
-    dU Vn^T and gate terms: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain
-    rule, dg (reverse cumsum) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
-    E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk. Every operand is requested at
-    the start, before the first product (not one round trip to memory between products): forward + backward 0.988x
-    the time at (8, 4096, 16, 128), 0.993x at the model's heads, 0.987x at (1, 32768) on an H100
+    """Backward, part 2 (grid (chunks, B*H)): the C x C algebra of a chunk. From _bwd_cc_kernel's dO Vn^T and
+    dU Vn^T: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain rule, dg (reverse
+    cumsum of this kernel's terms) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
+    E + E^T with E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk. Every operand is
+    requested at the start, before the first product (not one round trip to memory between products): forward +
+    backward 0.988x the time at (8, 4096, 16, 128), 0.993x at the model's heads, 0.987x at (1, 32768) on an H100
     (`python tools/ab_kernel.py`, results/bench_h100/wy_loads.md)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
@@ -507,7 +505,6 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
     ar_off = (i_bh * Tp + t0) * C
     causal = r[:, None] >= r[None, :]
     causal_t = r[:, None] <= r[None, :]  # [j, i]: i >= j
-    db = tl.load(dbl + i_bh * Tp + rt)
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     m = rx < xe
@@ -527,7 +524,7 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
     gam = tl.exp2(tl.where(causal, bl[:, None] - bl[None, :], float("-inf")))
     tl.store(dag + ar_off + r[:, None] * C + r[None, :], (dA * gam).to(dag.dtype.element_ty))
     F = dA * baqk  # dA o Gamma o QK^T (dA is causal)
-    db += tl.sum(F, 1) - tl.sum(F, 0)
+    db = tl.sum(F, 1) - tl.sum(F, 0)  # d / d b (natural log domain)
     # WY path: P = Gamma o (Ar Diag(beta)), Ar = (I + A0)^-1, A0 = StrictTril(Diag(beta) K K^T)
     dM = tl.where(causal, bdp * gam, 0.)
     F = dM * bar * beta[None, :]
@@ -536,8 +533,9 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
     dA0 = -tl.dot(bar_t, tl.dot(dM * beta[None, :], bar_t, input_precision=PREC), input_precision=PREC)
     dA0 = tl.where(r[:, None] > r[None, :], dA0, 0.)
     dbeta += tl.sum(dA0 * tl.dot(bk, tl.trans(bk), input_precision=PREC), 1)
-    # dk += E K + E^T K in _bwd_dqk_kernel, which loads E both ways from memory
-    tl.store(emat + ar_off + r[:, None] * C + r[None, :], (dA0 * beta[:, None]).to(emat.dtype.element_ty))
+    # dk += (E + E^T) K in _bwd_dqk_kernel: E + E^T stored once (the transpose of a computed matrix into a sum)
+    E = dA0 * beta[:, None]
+    tl.store(emat + ar_off + r[:, None] * C + r[None, :], (E + tl.trans(E)).to(emat.dtype.element_ty))
     # the chain rule through beta(||k||^2, eta): deta, and dk += 2 dbeta (d beta / d r2) k in _bwd_dqk_kernel
     kf = bk.to(tl.float32)
     d_eta, d_r2 = _dbeta(tl.sum(kf * kf, 1), eta_c, beta, eps, KACZ)
@@ -552,22 +550,22 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dbl, dag, ema
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, cr, T, H, Tp, scale,
+def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, qdc, cr, T, H, Tp, scale,
                     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
                     KACZ: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """Backward, part 2 (grid (K / BKB, chunks, B*H)): dq and dk of BKB key columns of one chunk, three
-    C x BKB accumulators (dO S0^T, dVn S0^T, Uc dS1^T), from _bwd_cc_kernel's Uc, dAg, E and beta coefficient:
+    C x BKB accumulators (dO S0^T, dVn S0^T, Uc dS1^T), from _bwd_cc_kernel's Uc and _bwd_wy_kernel's dAg,
+    E + E^T and beta coefficient:
         dq = scale Diag(exp b) dO S0^T + dAg K
         dk = Uc dS1^T - Diag(exp b) dVn S0^T + dAg^T Q + (E + E^T) K + Diag(coef) K
-    Every transposed operand is a tile loaded from memory (dAg^T and E^T are loaded transposed). Also writes the
-    rows of scale (dO S0^T) o Q - (dVn S0^T) o K over its key columns (qdp), which _bwd_dg_kernel sums into dg:
-    the gate gradient's terms scale exp(b) rows of dO o (Q S0) and -exp(b) rows of dVn o (K S0), from products
-    this kernel forms anyway rather than from K S0 and Q S0 in _bwd_cc_kernel's value loop (there dVn o (K S0) needed
-    dVn loaded beside the loop's products, synchronously: Triton pipelines only loads that feed a product). On an
-    H200 forward + backward 0.985x the time at (8, 4096, 16, 128), 0.969x at (4, 8192), 0.992x at (1, 32768), 0.965x
-    at the model's heads (`python tools/ab_kernel.py`, results/bench_h200/dvn_rows.md). The epilogue's loads issued
-    together before its first product, as _bwd_wy_kernel's are, took 1.010x the time at (8, 4096, 16, 128) on an H100
-    (139 registers a thread against 111: three programs an SM instead of four; results/bench_h100/wy_loads.md)."""
+    Every transposed operand is a tile loaded from memory (dAg^T is loaded transposed). Also the gate gradient's
+    terms that need S0 or dS1, over its key columns, from its accumulators: the rows exp(b) (scale (dO S0^T) o Q
+    - (dVn S0^T) o K) - (Uc dS1^T) o K (qdp) and the sum of the last (qdc), which _bwd_dg_kernel adds into dg
+    (rather than from K S0, Q S0 and U transposed in _bwd_cc_kernel's value loop, where they cost registers, and
+    where dVn o (K S0) needed dVn loaded beside the loop's products, synchronously: Triton pipelines only loads that
+    feed a product; results/bench_h200/dvn_rows.md, results/bench_h200/bwd_gate_terms.md). The epilogue's loads
+    issued together before its first product, as _bwd_wy_kernel's are, took 1.010x the time at (8, 4096, 16, 128) on
+    an H100 (32 key columns a program: 139 registers a thread against 111; results/bench_h100/wy_loads.md)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -595,30 +593,34 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
         Y = tl.dot(bdv, S0_t, acc=Y, input_precision=PREC)
         bdk = tl.dot(buc, dS1_t, acc=bdk, input_precision=PREC)
     bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    cS = tl.sum(bdk * bk.to(tl.float32), 1)  # rows of (Uc dS1^T) o K: exp(b_C - b_i) k_i^T dS1 u_i, these keys
     bdk += neb[:, None] * Y
     dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)
     bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
     _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
     bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
-    # the gate gradient's terms that need S0, over these key columns: rows of dO o (Q S0) = rows of (dO S0^T) o Q,
-    # and rows of dVn o (K S0) = rows of (dVn S0^T) o K, both times exp(b) (_bwd_dg_kernel)
-    tl.store(qdp + (i_k * tl.num_programs(2) + i_bh) * Tp + rt,
-             scale * tl.sum(X * bq.to(tl.float32), 1) - tl.sum(Y * bk.to(tl.float32), 1))
+    # the gate gradient's terms that need S0 or dS1, over these key columns (d / d b, summed by _bwd_dg_kernel):
+    # rows of dO o (Q S0) = rows of (dO S0^T) o Q and of dVn o (K S0) = rows of (dVn S0^T) o K, both times exp(b);
+    # minus the rows cS, whose sum goes to the chunk's last position
+    i_q = i_k * tl.num_programs(2) + i_bh
+    qd = scale * tl.sum(X * bq.to(tl.float32), 1) - tl.sum(Y * bk.to(tl.float32), 1)
+    tl.store(qdp + i_q * Tp + rt, -neb * qd - cS)
+    tl.store(qdc + i_q * N + i_n, tl.sum(cS, 0))
     dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
     bdk = tl.dot(dAg_t, bq, acc=bdk, input_precision=PREC)
-    EE = (tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
-          + tl.load(emat + ar_off + r[None, :] * C + r[:, None]).to(tl.float32))
-    bdk = tl.dot(EE.to(dt), bk, acc=bdk, input_precision=PREC)
+    EE = tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(dt)
+    bdk = tl.dot(EE, bk, acc=bdk, input_precision=PREC)
     if KACZ:
         bdk += tl.load(coef + i_bh * Tp + rt)[:, None] * bk.to(tl.float32)
     _st(dk + qk_off, rx, ck, xe, K, H * K, 1, bdk)
 
 
 @triton.jit(do_not_specialize=["T", "Tp"])
-def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, NKB: tl.constexpr, C: tl.constexpr,
+def _bwd_dg_kernel(qdp, qdc, ssc, g, dg, cr, T, H, Tp, NKB: tl.constexpr, C: tl.constexpr,
                    VARLEN: tl.constexpr):
-    """Grid (chunks, B*H): adds to dg the reverse cumulative sum of exp(b) qd, qd the rows of
-    scale dO o (Q S0) - dVn o (K S0) summed over _bwd_dqk_kernel's key blocks."""
+    """Grid (chunks, B*H): adds to dg the reverse cumulative sum of the gate terms d / d b that need S0 or dS1:
+    _bwd_dqk_kernel's rows (qdp) and per-chunk sums (qdc) over its key blocks, the sums and _bwd_cc_kernel's
+    exp(b_C) <S0, dS1> (ssc) at the chunk's last position."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     r = tl.arange(0, C)
@@ -626,10 +628,12 @@ def _bwd_dg_kernel(qdp, bl_ptr, g, dg, cr, T, H, Tp, NKB: tl.constexpr, C: tl.co
     x0, xe = _chunk_rows(cr, i_n, T, Tp // C, C, VARLEN)
     rx = x0 + r
     m = rx < xe
-    qd = tl.zeros([C], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
+    tot = tl.load(ssc + i_bh * (Tp // C) + i_n)
     for i_k in tl.static_range(NKB):
-        qd += tl.load(qdp + (i_k * tl.num_programs(1) + i_bh) * Tp + rt)
-    db = tl.exp2(tl.load(bl_ptr + i_bh * Tp + rt)) * qd
+        db += tl.load(qdp + (i_k * tl.num_programs(1) + i_bh) * Tp + rt)
+        tot += tl.load(qdc + (i_k * tl.num_programs(1) + i_bh) * (Tp // C) + i_n)
+    db += tl.where(r == C - 1, tot, 0.)
     bdg = tl.sum(tl.where(r[:, None] >= r[None, :], db[:, None], 0.), 0)
     tok = (i_b * T + rx) * H + i_h
     bdg = tl.where(tl.load(g + tok, mask=m, other=0.) < GATE_FLOOR, 0., bdg)
@@ -857,15 +861,19 @@ def _bwd_wy_config(BK, fp32=False):
 
 def _bwd_dqk_config(BK, V, fp32=False):
     """(key columns per program, value columns per step, warps, pipeline stages) of _bwd_dqk_kernel. From K = 96
-    (BK 128) on: 32 key columns, 32 value columns, 4 warps, 2 stages; measured on an H200 (`python bench.py
-    --section=tune`, forward + backward, ms) against the 64 / 32 / 8 / 1 before: 3.66 against 4.23 at the model's
-    heads (32, 2048, 6, 96 / 192: three programs of 32 columns instead of two of 64, one half empty), 4.05 against
-    4.46 at (8, 4096, 16, 128). At (16, 2048, 8, 64) 2 stages were slower (1.46 against 1.13): 64 / 32 / 8 / 1 there.
-    Key 32 / value 64 with 4 warps faulted the GPU at the model's heads (Triton 3.6)."""
+    (BK 128) on: 64 key columns, 32 value columns, 4 warps, 3 stages (246 registers a thread, two programs an SM):
+    half as many programs a chunk read dO, dVn, Uc, dAg and E + E^T. Forward + backward on an H200 against 32 / 32 /
+    4 / 2, one process each (`python tools/ab_kernel.py`, results/bench_h200/bwd_gate_terms.md): 0.959x the time at
+    (8, 4096, 16, 128), 0.998x at the model's heads (32, 2048, 6, 96 / 192), 0.972x at (1, 32768, 16, 128); at 2
+    stages 0.992x / 1.040x / 0.997x, at 16 value columns 1.036x / 1.086x / 1.031x. With the current kernels, 32 / 32
+    / 4 / 3 at the model's heads (three programs for d_k 96 instead of two, one half empty) took 0.994x: one
+    configuration kept. 8 warps were slower (`python bench.py --section=tune`: 64 / 32 / 8 / 1 4.23 ms against
+    3.66 for 32 / 32 / 4 / 2 at the model's heads). At (16, 2048, 8, 64) 2 stages were slower (1.46 against 1.13):
+    64 / 32 / 8 / 1 there. Key 32 / value 64 with 4 warps faulted the GPU at the model's heads (Triton 3.6)."""
     if fp32:
         return min(BK, 32), 16, 4, 1
     if BK >= 128:
-        return 32, 32, 4, 2
+        return 64, 32, 4, 3
     return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8, 1
 
 
@@ -941,23 +949,25 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
     uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
     dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
     dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
-    dbl, coef = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
+    coef = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+    ssc = torch.empty(B * H, N, device=dev, dtype=torch.float32)
     BVB, nw, ns = _bwd_chunk_config(BK, V, fp32)
     _bwd_cc_kernel[(N, B * H)](
-        k, v, do, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, dbl, cr, T, H, Tp, scale,
+        k, v, do, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, ssc, cr, T, H, Tp, scale,
         K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
     nw, ns = _bwd_wy_config(BK, fp32)
     _bwd_wy_kernel[(N, B * H)](
-        k, g, eta, bl, beta, ar, aqk, dovn, dp, dbl, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
+        k, g, eta, bl, beta, ar, aqk, dovn, dp, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
         K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
-    del dovn, dp, dbl
+    del dovn, dp
     BKB, BVB, nw, ns = _bwd_dqk_config(BK, V, fp32)
     qdp = torch.empty(triton.cdiv(K, BKB), B * H, Tp, device=dev, dtype=torch.float32)
+    qdc = torch.empty(triton.cdiv(K, BKB), B * H, N, device=dev, dtype=torch.float32)
     _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
-        q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, cr, T, H, Tp, scale,
+        q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, qdc, cr, T, H, Tp, scale,
         K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
         num_stages=ns)
-    _bwd_dg_kernel[(N, B * H)](qdp, bl, g, dg, cr, T, H, Tp, NKB=triton.cdiv(K, BKB), C=C, VARLEN=varlen)
+    _bwd_dg_kernel[(N, B * H)](qdp, qdc, ssc, g, dg, cr, T, H, Tp, NKB=triton.cdiv(K, BKB), C=C, VARLEN=varlen)
     return dq, dk, dv, dg, deta, dh0
 
 

@@ -32,8 +32,8 @@ from triton.backends.compiler import GPUTarget
 
 import kernel
 
-FP32_ARGS = {"sa", "qdp", "bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef", "scratch", "dbl",
-             "dh0", "dht", "h0", "ht", "s_in", "s_out"}
+FP32_ARGS = {"sa", "qdp", "qdc", "ssc", "bl_ptr", "beta_ptr", "bl_out", "beta_out", "g", "eta", "dg", "deta", "coef",
+             "scratch", "dh0", "dht", "h0", "ht", "s_in", "s_out"}
 INT_ARGS = {"T", "H", "Tp"}
 INT_PTR_ARGS = {"cu", "cs", "order", "cr"}
 FLT_ARGS = {"scale", "eps"}
