@@ -867,8 +867,10 @@ def _bwd_dqk_config(BK, V, fp32=False):
     (8, 4096, 16, 128), 0.998x at the model's heads (32, 2048, 6, 96 / 192), 0.972x at (1, 32768, 16, 128); at 2
     stages 0.992x / 1.040x / 0.997x, at 16 value columns 1.036x / 1.086x / 1.031x. With the current kernels, 32 / 32
     / 4 / 3 at the model's heads (three programs for d_k 96 instead of two, one half empty) took 0.994x: one
-    configuration kept. 8 warps were slower (`python bench.py --section=tune`: 64 / 32 / 8 / 1 4.23 ms against
-    3.66 for 32 / 32 / 4 / 2 at the model's heads). At (16, 2048, 8, 64) 2 stages were slower (1.46 against 1.13):
+    configuration kept. On an H100 (results/bench_h100/bwd_current.md) 4 stages took 1.000x at (8, 4096, 16, 128)
+    and 0.993x at the model's heads, 64 value columns at 2 stages 0.990x / 0.991x, 8 warps 1.144x / 1.147x. 8 warps
+    were slower before too (`python bench.py --section=tune`: 64 / 32 / 8 / 1 4.23 ms against 3.66 for 32 / 32 / 4 / 2
+    at the model's heads). At (16, 2048, 8, 64) 2 stages were slower (1.46 against 1.13):
     64 / 32 / 8 / 1 there. Key 32 / value 64 with 4 warps faulted the GPU at the model's heads (Triton 3.6)."""
     if fp32:
         return min(BK, 32), 16, 4, 1
