@@ -1111,23 +1111,34 @@ def control_kernel(x, y, C: tl.constexpr):
     a = tl.load(x + r[:, None] * C + r[None, :])
     p = tl.dot(a, tl.trans(a)) * 0.5  # a loaded tile transposed into a product: allowed
     tl.store(y + r[:, None] * C + r[None, :], tl.dot(tl.trans(p.to(tl.bfloat16)), a))  # a product's: not
+
+
+@triton.jit
+def control_split(x, y, C: tl.constexpr):
+    r, r2 = tl.arange(0, C), tl.arange(0, 2 * C)
+    a = tl.load(x + r[:, None] * C + r[None, :])
+    p = tl.dot(tl.load(x + r2[:, None] * C + r[None, :]), a)
+    top, _ = tl.split(tl.permute(tl.reshape(p, (2, C, C)), (1, 2, 0)))  # a product's rows split by a transpose
+    tl.store(y + r[:, None] * C + r[None, :], tl.dot(top.to(tl.bfloat16), a))
 """
 
 
 def test_kernels_transpose_no_product_into_a_product(tmp_path):
     """No chunk kernel feeds a product the transpose of a matrix computed from a product, which Triton 3.4 to
     3.7.0 miscompile on Hopper (fla #640): every tt.trans in their Triton IR for sm_90 (tools/ptxas_report.py,
-    without the interpreter) is of a loaded tile, or does not reach a product. A control kernel with the pattern is
-    caught."""
+    without the interpreter) is of a loaded tile, or does not reach a product. Control kernels with the pattern are
+    caught, one of them through an op of two results (tt.split)."""
     (tmp_path / "control.py").write_text(CONTROL_KERNEL)
     code = ("import json, os, sys; os.environ.pop('TRITON_INTERPRET', None); sys.path[:0] = ['tools', sys.argv[1]]; "
             "import ptxas_report as p, control; "
-            "c = p.transposes(p.compile_kernel(control.control_kernel, dict(C=64), 4).asm['ttir']); "
+            "c = [p.transposes(p.compile_kernel(f, dict(C=64), 4).asm['ttir']) "
+            "for f in (control.control_kernel, control.control_split)]; "
             "print(json.dumps([c, p.chunk_kernel_transposes()]))")
     p = run("-c", code, str(tmp_path), timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
-    control, kernels = json.loads(p.stdout.strip().splitlines()[-1])
+    (control, control_split), kernels = json.loads(p.stdout.strip().splitlines()[-1])
     assert sorted((c, q) for _, c, q in control) == [(False, True), (True, True)], control
+    assert [(c, q) for _, c, q in control_split] == [(True, True)], control_split
     assert len(kernels) == 11 and sum(len(ts) for _, ts in kernels) >= 10
     for name, ts in kernels:
         assert not any(c and q for _, c, q in ts), (name, ts)

@@ -183,7 +183,7 @@ def loops_report():
         print(f"{label:66s}: {n_async} / {n_sync}", flush=True)
 
 
-SSA_DEF = re.compile(r"^\s*(%[\w.#]+)(?::\d+)?\s*=\s*([\w.]+)\s*(.*)$")  # %name = op operands : types
+SSA_DEF = re.compile(r"^\s*(%[\w.#:]+(?:\s*,\s*%[\w.#:]+)*)\s*=\s*([\w.]+)\s*(.*)$")  # %a[, %b] = op operands : types
 
 
 def transposes(ttir):
@@ -196,9 +196,10 @@ def transposes(ttir):
         if "tt.func" in line:
             params.update(re.findall(r"(%[\w.]+): ", line))  # the kernel's arguments: pointers and scalars
         m = SSA_DEF.match(line)
-        if m:
-            name, op, rest = m.groups()
-            defs[name] = (op, re.findall(r"%[\w.#]+", rest.split(" : ")[0]))
+        if m:  # every result of the op (tt.split has two)
+            names, op, rest = m.groups()
+            for name in re.findall(r"%[\w.#]+", names):
+                defs[name] = (op, re.findall(r"%[\w.#]+", rest.split(" : ")[0]))
     for name, (_, args) in defs.items():
         for a in args:
             users.setdefault(a, []).append(name)
