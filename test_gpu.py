@@ -527,9 +527,10 @@ def main():
         ok = finite and all(e < tol for e in errs.values())
         failures += not ok
         cells = [f"{errs[c]:.1e}" if c in errs else "-" for c in cols]
+        over = ", ".join(f"{n} {e:.4e}" for n, e in errs.items() if not e < tol)  # to more digits than the cells
         other = ", ".join(f"{n}={x}" for n, x in opts.items()) or "-"
         lines.append(f"| {B} | {T} | {H} | {K} | {V} | {str(dtype)[6:]} | {h0} | {kacz} | {knorm[0]:g}..{knorm[1]:g} | {other} | "
-                     + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
+                     + " | ".join(cells) + f" | {'yes' if ok else ('NO ' + over).strip()} |")
         print(lines[-1], f"({time.time() - t:.1f}s)", flush=True)
         write(out, lines)
     if "--large" in sys.argv and not smoke:
