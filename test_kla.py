@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import kernel
 import kernel_decode
@@ -31,6 +33,9 @@ import prepare_data
 from model import GPT, GPTConfig, kla_chunkwise, kla_recurrent
 
 torch.set_num_threads(2)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell, which ignores Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # there: the Ctrl-C tests need Python's, as do their
+    # children (an ignored signal stays ignored across exec; a handled one is reset to the default)
 
 
 def rel_err(a, b):
@@ -829,8 +834,8 @@ def test_model_trains(mixer):
     assert losses[-1] < 0.5 * losses[0]
 
 # -----------------------------------------------------------------------------
-# kernel.py in Triton's interpreter on CPU tensors, against the float64 reference. Float32 only: the
-# interpreter computes bf16 dots wrongly (Triton 3.9), so bf16 is checked on the GPU by test_gpu.py.
+# kernel.py in Triton's interpreter on CPU tensors, against the float64 reference: float32 here, bf16 with the
+# interpreter's bf16 products and casts made the GPU's (bf16_interpreter, below) and on the GPU by test_gpu.py.
 
 KERNEL_CASES = [  # (B, T, H, K, V, initial state, kaczmarz, log10 of the key norms)
     (1, 1, 2, 32, 32, True, True, (-2, 2)),
@@ -852,6 +857,79 @@ def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
     for name, a, b in zip(NAMES, out, ref):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
 
+
+
+@pytest.fixture
+def bf16_interpreter(monkeypatch):
+    """Triton's interpreter computing bf16 as the GPU does. Triton 3.9's multiplies bf16 tiles as their raw 16-bit
+    integers and rounds float32 to bf16 toward zero; the GPU's tensor cores multiply the values, accumulating in
+    float32, and its conversions round to nearest even. The kernels use bf16 only as products' operands and in
+    loads, stores and casts, so these two methods are all that differ."""
+    from triton.runtime import interpreter as interp
+
+    def to_f32(bits):  # bf16 is the upper half of a float32
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def to_bf16(x):  # round to nearest even; NaN stays NaN
+        b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        return np.where(np.isnan(x), np.uint16(0x7FC0), ((b + ((b >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16))
+
+    dot, cast = interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.cast_impl
+    f32 = lambda h: interp.TensorHandle(to_f32(h.data), tl.float32) if h.dtype.scalar == tl.bfloat16 else h
+
+    def create_dot(self, a, b, d, *args):
+        return dot(self, f32(a), f32(b), d, *args)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interp.TensorHandle(to_bf16(src.data), tl.bfloat16)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            return f32(src)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(interp.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+@triton.jit
+def _bf16_probe_kernel(a, b, c, r, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(a + i[:, None] * N + i[None, :])
+    tl.store(c + i[:, None] * N + i[None, :], tl.dot(x.to(tl.bfloat16), tl.load(b + i[:, None] * N + i[None, :])))
+    tl.store(r + i[:, None] * N + i[None, :], x.to(tl.bfloat16))
+
+
+def test_bf16_interpreter_multiplies_and_rounds_as_the_gpu(bf16_interpreter):
+    """The fixture's interpreter: a float32 tile cast to bf16 rounds to nearest even (as torch's cast does), and a
+    product of bf16 tiles equals their float32 product (float32 accumulation)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 16), torch.randn(16, 16).bfloat16()
+    a[0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20])  # the ties and past
+    c, r = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
+    _bf16_probe_kernel[(1,)](a, b, c, r, N=16)
+    assert torch.equal(r, a.bfloat16())
+    assert torch.allclose(c, a.bfloat16().float() @ b.float(), rtol=1e-6, atol=1e-5)
+
+
+BF16_CASES = [  # (B, T, H, K, V, initial state, test_gpu.check_chunk's options): test_gpu.py's tolerance, 1e-2
+    (1, 130, 2, 64, 64, True, {}),
+    (2, 70, 2, 32, 48, False, {}),
+    (1, 130, 2, 64, 64, True, dict(decay="alternating")),  # gates -1e4 beside -0.01
+    (1, 130, 2, 64, 64, True, dict(decay="cut")),  # g = -inf
+    (1, 130, 2, 64, 64, True, dict(eps=0.0, edge=True)),  # zero keys, eta 0 and 1
+    (1, 200, 2, 64, 64, True, dict(seqs=[1, 63, 64, 65, 7])),  # packed sequences
+    (1, 70, 1, 96, 192, True, {}),  # the model's head sizes
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,use_h0,opts", BF16_CASES)
+def test_kernel_bf16_matches_float64(B, T, H, K, V, use_h0, opts, bf16_interpreter):
+    """bf16 inputs, as test_gpu.py checks them on the GPU (its check_chunk: the reference gets the same rounded
+    q, k, v and dO): output, final state and every gradient within 1e-2 of float64."""
+    import test_gpu
+    errs, finite = test_gpu.check_chunk(B, T, H, K, V, torch.bfloat16, use_h0, True, (0.01, 100), torch.device("cpu"),
+                                        torch.Generator().manual_seed(0), **opts)
+    assert finite and errs and all(e < test_gpu.TOL[torch.bfloat16] for e in errs.values()), errs
 
 def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     """The forward without autograd with the state's share of the output added after the sequential pass
