@@ -858,7 +858,6 @@ def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
 
 
-
 @pytest.fixture
 def bf16_interpreter(monkeypatch):
     """Triton's interpreter computing bf16 as the GPU does. Triton 3.9's multiplies bf16 tiles as their raw 16-bit
@@ -867,12 +866,12 @@ def bf16_interpreter(monkeypatch):
     loads, stores and casts, so these two methods are all that differ."""
     from triton.runtime import interpreter as interp
 
-    def to_f32(bits):  # bf16 is the upper half of a float32
-        return (bits.astype(np.uint32) << 16).view(np.float32)
+    def to_f32(bits):  # the interpreter holds bf16 as uint16 bits
+        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16).float().numpy()
 
-    def to_bf16(x):  # round to nearest even; NaN stays NaN
-        b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-        return np.where(np.isnan(x), np.uint16(0x7FC0), ((b + ((b >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16))
+    def to_bf16(x):  # torch's cast, as the GPU's: round to nearest even
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).bfloat16().view(torch.int16).numpy() \
+            .view(np.uint16)
 
     dot, cast = interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.cast_impl
     f32 = lambda h: interp.TensorHandle(to_f32(h.data), tl.float32) if h.dtype.scalar == tl.bfloat16 else h
@@ -930,6 +929,7 @@ def test_kernel_bf16_matches_float64(B, T, H, K, V, use_h0, opts, bf16_interpret
     errs, finite = test_gpu.check_chunk(B, T, H, K, V, torch.bfloat16, use_h0, True, (0.01, 100), torch.device("cpu"),
                                         torch.Generator().manual_seed(0), **opts)
     assert finite and errs and all(e < test_gpu.TOL[torch.bfloat16] for e in errs.values()), errs
+
 
 def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     """The forward without autograd with the state's share of the output added after the sequential pass
