@@ -513,7 +513,7 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dag, emat, co
     bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
     dOVn = tl.load(dovn + ar_off + r[:, None] * C + r[None, :]).to(dt)
     baqk = tl.load(aqk + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
-    bdp = tl.load(dp + ar_off + r[:, None] * C + r[None, :])
+    bdp = tl.load(dp + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
     bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     eta_c = tl.load(eta + (i_b * T + rx) * H + i_h, mask=m, other=0.)
     bg = tl.load(g + (i_b * T + rx) * H + i_h, mask=m, other=0.)
@@ -563,9 +563,12 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     - (dVn S0^T) o K) - (Uc dS1^T) o K (qdp) and the sum of the last (qdc), which _bwd_dg_kernel adds into dg
     (rather than from K S0, Q S0 and U transposed in _bwd_cc_kernel's value loop, where they cost registers, and
     where dVn o (K S0) needed dVn loaded beside the loop's products, synchronously: Triton pipelines only loads that
-    feed a product; results/bench_h200/dvn_rows.md, results/bench_h200/bwd_gate_terms.md). The epilogue's loads
-    issued together before its first product, as _bwd_wy_kernel's are, took 1.010x the time at (8, 4096, 16, 128) on
-    an H100 (32 key columns a program: 139 registers a thread against 111; results/bench_h100/wy_loads.md)."""
+    feed a product; results/bench_h200/dvn_rows.md, results/bench_h200/bwd_gate_terms.md). The epilogue's tiles
+    (k, q, dAg both ways, E + E^T) are requested together after the value loop, before its first product, not each
+    just before its product (a memory round trip between products): forward + backward 0.975x the time at (8, 4096,
+    16, 128), 0.985x at the model's heads, 0.978x at (1, 32768, 16, 128) on an H100, 248 registers a thread against
+    246, no spills (`python tools/ab_kernel.py`, results/bench_h100/dqk_epilogue.md). At 32 key columns a program the
+    same had taken 1.010x (139 registers against 111; results/bench_h100/wy_loads.md)."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -593,12 +596,14 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
         Y = tl.dot(bdv, S0_t, acc=Y, input_precision=PREC)
         bdk = tl.dot(buc, dS1_t, acc=bdk, input_precision=PREC)
     bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)  # all requested before the first product
+    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
+    dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
+    EE = tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(dt)
     cS = tl.sum(bdk * bk.to(tl.float32), 1)  # rows of (Uc dS1^T) o K: exp(b_C - b_i) k_i^T dS1 u_i, these keys
     bdk += neb[:, None] * Y
-    dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)
     bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
     _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
-    bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     # the gate gradient's terms that need S0 or dS1, over these key columns (d / d b, summed by _bwd_dg_kernel):
     # rows of dO o (Q S0) = rows of (dO S0^T) o Q and of dVn o (K S0) = rows of (dVn S0^T) o K, both times exp(b);
     # minus the rows cS, whose sum goes to the chunk's last position
@@ -606,9 +611,7 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     qd = scale * tl.sum(X * bq.to(tl.float32), 1) - tl.sum(Y * bk.to(tl.float32), 1)
     tl.store(qdp + i_q * Tp + rt, -neb * qd - cS)
     tl.store(qdc + i_q * N + i_n, tl.sum(cS, 0))
-    dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
     bdk = tl.dot(dAg_t, bq, acc=bdk, input_precision=PREC)
-    EE = tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(dt)
     bdk = tl.dot(EE, bk, acc=bdk, input_precision=PREC)
     if KACZ:
         bdk += tl.load(coef + i_bh * Tp + rt)[:, None] * bk.to(tl.float32)
@@ -861,21 +864,25 @@ def _bwd_wy_config(BK, fp32=False):
 
 def _bwd_dqk_config(BK, V, fp32=False):
     """(key columns per program, value columns per step, warps, pipeline stages) of _bwd_dqk_kernel. From K = 96
-    (BK 128) on: 64 key columns, 32 value columns, 4 warps, 3 stages (246 registers a thread, two programs an SM):
-    half as many programs a chunk read dO, dVn, Uc, dAg and E + E^T. Forward + backward on an H200 against 32 / 32 /
-    4 / 2, one process each (`python tools/ab_kernel.py`, results/bench_h200/bwd_gate_terms.md): 0.959x the time at
-    (8, 4096, 16, 128), 0.998x at the model's heads (32, 2048, 6, 96 / 192), 0.972x at (1, 32768, 16, 128); at 2
-    stages 0.992x / 1.040x / 0.997x, at 16 value columns 1.036x / 1.086x / 1.031x. With the current kernels, 32 / 32
-    / 4 / 3 at the model's heads (three programs for d_k 96 instead of two, one half empty) took 0.994x: one
-    configuration kept. On an H100 (results/bench_h100/bwd_current.md) 4 stages took 1.000x at (8, 4096, 16, 128)
-    and 0.993x at the model's heads, 64 value columns at 2 stages 0.990x / 0.991x, 8 warps 1.144x / 1.147x. 8 warps
-    were slower before too (`python bench.py --section=tune`: 64 / 32 / 8 / 1 4.23 ms against 3.66 for 32 / 32 / 4 / 2
-    at the model's heads). At (16, 2048, 8, 64) 2 stages were slower (1.46 against 1.13):
-    64 / 32 / 8 / 1 there. Key 32 / value 64 with 4 warps faulted the GPU at the model's heads (Triton 3.6)."""
+    (BK 128) on: 64 key columns, 64 value columns, 4 warps, 2 stages (246 registers a thread, two programs an SM):
+    half as many programs a chunk as at 32 key columns read dO, dVn, Uc, dAg and E + E^T. 64 key columns against 32 /
+    32 / 4 / 2, forward + backward on an H200, one process each (`python tools/ab_kernel.py`,
+    results/bench_h200/bwd_gate_terms.md), at 32 value columns and 3 stages: 0.959x the time at (8, 4096, 16, 128),
+    0.998x at the model's heads (32, 2048, 6, 96 / 192), 0.972x at (1, 32768, 16, 128); at 2 stages 0.992x / 1.040x /
+    0.997x, at 16 value columns 1.036x / 1.086x / 1.031x. Then 64 value columns at 2 stages against 32 at 3, on an
+    H100: 0.991x / 0.995x / 0.993x (results/bench_h100/dqk_epilogue.md; 0.990x / 0.991x in
+    results/bench_h100/bwd_current.md, where 4 stages took 1.000x / 0.993x and 8 warps 1.144x / 1.147x). With the
+    earlier kernels, 32 / 32 / 4 / 3 at the model's heads (three programs for d_k 96 instead of two, one half empty)
+    took 0.994x: one configuration is kept for every K from 96. 8 warps were slower before too (`python bench.py
+    --section=tune`: 64 / 32 / 8 / 1 4.23 ms against 3.66 for 32 / 32 / 4 / 2 at the model's heads). At (16, 2048, 8,
+    64) 2 stages were slower (1.46 against 1.13): 64 / 32 / 8 / 1 there. Key 32 / value 64 with 4 warps faulted the
+    GPU at the model's heads (Triton 3.6). One program a chunk walking its key blocks in turn (the gate gradient's
+    sums over them kept in registers, no _bwd_dg_kernel) took 1.086x / 1.209x / 1.081x on an H100 (296 B of spills a
+    thread; at 32 key columns or 8 warps, without spills, 1.090x / 1.120x / 1.080x and 1.131x / 1.136x / 1.118x)."""
     if fp32:
         return min(BK, 32), 16, 4, 1
     if BK >= 128:
-        return 64, 32, 4, 3
+        return 64, 64, 4, 2
     return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8, 1
 
 
@@ -950,7 +957,9 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
     sdt = hs.dtype
     uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
     dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
-    dp = torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)
+    # dU Vn^T in bf16 like the other C x C buffers: forward + backward 0.990-0.992x the time of float32 on an
+    # H100 (results/bench_h100/dqk_epilogue.md; the float64 checks: results/test_gpu/dqk_epilogue.md)
+    dp = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
     coef = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
     ssc = torch.empty(B * H, N, device=dev, dtype=torch.float32)
     BVB, nw, ns = _bwd_chunk_config(BK, V, fp32)
