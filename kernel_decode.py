@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel import SMS, _beta, _block_k, _delta_step
+from kernel import _beta, _block_k, _delta_step
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -289,34 +289,6 @@ def _decode_mlp_kernel(x, p, ssq, norm_w, w_gu, w_down, z, D, F, norm_eps, o_nor
 # launch
 
 
-@triton.jit
-def _decode_matmul_kernel(x, w, y, part, count, M, N, K, KS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          PREC: tl.constexpr):
-    """y = x W^T for a few rows (M <= BM) with K cut into slices of KS: program (n, s) forms slice s's float32
-    product for BN outputs and writes it to part[s]; the last of the BN outputs' programs to finish (a counter
-    per output block, incremented with acquire-release semantics once every thread's partial product is
-    stored) adds the slices, writes y and sets the counter back to zero for the next call."""
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
-    S = tl.num_programs(1)
-    rm, rn = tl.arange(0, BM), i_n * BN + tl.arange(0, BN)
-    mm, mn = rm < M, rn < N
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
-        rk = k0 + tl.arange(0, BK)
-        a = tl.load(x + rm[:, None] * K + rk[None, :], mask=mm[:, None] & (rk[None, :] < K), other=0.)
-        b = tl.load(w + rn[None, :] * K + rk[:, None], mask=mn[None, :] & (rk[:, None] < K), other=0.)
-        acc = tl.dot(a, b, acc=acc, input_precision=PREC)
-    off, m = rm[:, None] * N + rn[None, :], mm[:, None] & mn[None, :]
-    tl.store(part + i_s * M * N + off, acc, mask=m)
-    tl.debug_barrier()  # every thread's share stored before the counter moves
-    if tl.atomic_add(count + i_n, 1, sem="acq_rel") == S - 1:
-        tot = tl.zeros([BM, BN], dtype=tl.float32)
-        for j in range(S):
-            tot += tl.load(part + j * M * N + off, mask=m, other=0., cache_modifier=".cg")
-        tl.store(y + off, tot.to(y.dtype.element_ty), mask=m)
-        tl.atomic_xchg(count + i_n, 0)
-
-
 # Batch-1 decoding's kernels (decode_linear, kla_decode_block) as programmatic dependent launches on
 # Hopper and later (see _pdl_wait); bench.py --pdl=0 turns it off to time the difference
 DECODE_PDL = True
@@ -445,45 +417,6 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6):
     _decode_linear_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, x if norm_weight is None else norm_weight, N, K, float(norm_eps),
         NORM=norm_weight is not None, BN=BN, BK=BK, ONE=K <= BK, num_warps=warps, **_pdl(x))
-    return y
-
-
-@functools.lru_cache
-def _matmul_counters(device):
-    """The split products' arrival counters of a device, zero between calls (each call's last programs reset
-    theirs): calls on one stream share them."""
-    return torch.zeros(4096, device=device, dtype=torch.int32)
-
-
-def _matmul_config(N, K):
-    """(outputs a program, K columns a step, slices of K) of _decode_matmul_kernel: 64 outputs, 64 columns, and
-    K cut into as many slices as keep the programs near one wave over 132 SMs."""
-    BN, BK = 64, 64
-    steps = triton.cdiv(K, BK)
-    per = triton.cdiv(steps, max(1, SMS // triton.cdiv(N, BN)))
-    return BN, BK, triton.cdiv(steps, per), per * BK
-
-
-def decode_matmul(x, weight):
-    """y = x W^T for the few rows of a decoding step at batch > 1 (x (M, K), M <= 128, weight (N, K) as nn.Linear
-    holds it, one dtype), as one kernel whose programs split K: the projections back to the model's width (K
-    1152 and 2048 against N = 768 outputs) are too narrow to fill the GPU a program per output block. Returns (M, N)
-    in x's dtype. model.GPT decodes with it at batch > 1 (the mixer's output projection and the MLP's second)."""
-    (M, K), N = x.shape, weight.shape[0]
-    if x.dim() != 2 or M > 128 or weight.shape != (N, K) or not x.is_contiguous() or not weight.is_contiguous():
-        raise ValueError(f"x must be a contiguous (M <= 128, K) tensor and weight a contiguous (N, K) one, got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight must be of x's dtype {x.dtype}, got {weight.dtype}")
-    BN, BK, S, KS = _matmul_config(N, K)
-    if triton.cdiv(N, BN) > 4096:
-        raise ValueError(f"at most {4096 * BN} outputs, got {N}")
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    part = torch.empty(S, M, N, device=x.device, dtype=torch.float32)
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    BM = max(16, triton.next_power_of_2(M))
-    _decode_matmul_kernel[(triton.cdiv(N, BN), S)](x, weight, y, part, _matmul_counters(x.device), M, N, K, KS,
-                                                     BM=BM, BN=BN, BK=BK, PREC=prec, num_warps=8 if BM > 64 else 4)
     return y
 
 

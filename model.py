@@ -556,26 +556,6 @@ def _(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias, norm_
     return xp.new_empty(xp.shape[0], state.shape[1] * state.shape[3])
 
 
-@torch.library.custom_op("kla::decode_matmul", mutates_args=())
-def _decode_matmul_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """kernel_decode.decode_matmul (x W^T, K split over the programs) as a PyTorch operator, inside the compiled
-    decoding step."""
-    return kernel_decode.decode_matmul(x, weight)
-
-
-@_decode_matmul_op.register_fake
-def _(x, weight):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def _decode_project(linear, x):
-    """linear(x) for a decoding step's rows x (B, 1, K): through kernel_decode.decode_matmul where its weight is of
-    x's dtype and the rows few (at most 128), else the layer itself (under autocast, for instance)."""
-    if linear.weight.dtype != x.dtype or x.shape[0] > 128 or linear.bias is not None:
-        return linear(x)
-    return _decode_matmul_op(x.reshape(x.shape[0], -1), linear.weight).view(x.shape[0], 1, -1)
-
-
 def _decode_mixer(m, xp, st):
     """The lines of DeltaMixer m's forward between its two projections for one token (xp (B, in_proj's outputs)),
     as one kernel (kernel_decode.kla_decode_mixer): the output (B, H dv) before o_proj."""
@@ -866,9 +846,8 @@ class GPT(nn.Module):
         for block, st in zip(self.blocks, cache):
             m = block.mixer
             o = _decode_mixer(m, m.in_proj(block.norm1(x)).view(B, -1), st)  # (B, H dv)
-            x = x + _decode_project(m.o_proj, o.view(B, 1, -1))
-            gate, up = block.mlp.gate_up(block.norm2(x)).chunk(2, -1)  # MLP.forward, its narrow product split
-            x = x + _decode_project(block.mlp.down, F.silu(gate) * up)
+            x = x + m.o_proj(o.view(B, 1, -1))
+            x = x + block.mlp(block.norm2(x))
         return self.lm_head(self.norm_f(x))
 
     @torch.compiler.disable  # Triton kernels that update the cache's buffers in place

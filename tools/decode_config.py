@@ -15,9 +15,6 @@ alone (bench.py --section=tune_decode) does not show what a chain of dependent l
                                                     head's share of the token
     python3 tools/decode_config.py --batch=64       the one-kernel mixer's (columns a step, warps) at batch 64,
                                                     the model compiled as one graph (bench.py --compile_infer=1)
-    python3 tools/decode_config.py --batch=64 --split_matmul   the projections back to the model's width through
-                                                    kernel_decode.decode_matmul against the layers (cuBLAS),
-                                                    alternating, the model compiled as one graph
 --prompt=1024 (the prompt before the timed steps), --rounds=5. Prints markdown tables, ms a decoding step.
 """
 import os
@@ -31,7 +28,6 @@ import triton
 
 import bench
 import kernel_decode
-import model as model_py
 
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 PROMPT, ROUNDS, BATCH = int(ARGS.get("prompt", 1024)), int(ARGS.get("rounds", 5)), int(ARGS.get("batch", 1))
@@ -137,24 +133,9 @@ def sweep_mixer(model):
     print(f"| current {MIXER(192)} | {ms_per_step(model):.4f} | - |", flush=True)
 
 
-def split_matmul(model):
-    """The decoding step with its narrow projections through kernel_decode.decode_matmul (model._decode_project)
-    against the same step with every projection the layer's own (cuBLAS), alternating."""
-    split = model_py._decode_project
-    print("| round | cuBLAS ms | decode_matmul ms | ratio |\n|---|---|---|---|")
-    for r in range(ROUNDS):
-        model_py._decode_project = lambda linear, x: linear(x)
-        a = ms_per_step(model)
-        model_py._decode_project = split
-        b = ms_per_step(model)
-        print(f"| {r} | {a:.4f} | {b:.4f} | {b / a:.3f} |", flush=True)
-
-
 def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"prompt {PROMPT}, batch {BATCH}\n")
-    if BATCH > 1 and "--split_matmul" in sys.argv:
-        return split_matmul(bench.eval_model("kla", "cuda", False, True)[0])
     if BATCH > 1:
         return sweep_mixer(bench.eval_model("kla", "cuda", False, True)[0])
     one = any(f in sys.argv for f in ("--sweep", "--shared_blocks", "--head_share"))
