@@ -596,7 +596,7 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
         Y = tl.dot(bdv, S0_t, acc=Y, input_precision=PREC)
         bdk = tl.dot(buc, dS1_t, acc=bdk, input_precision=PREC)
     bk = _ld(k + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
-    dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)  # all requested before the first product
+    dAg = tl.load(dag + ar_off + r[:, None] * C + r[None, :]).to(dt)  # the tiles, all before the first product
     bq = _ld(q + qk_off, rx, ck, xe, K, H * K, 1).to(dt)
     dAg_t = tl.load(dag + ar_off + r[None, :] * C + r[:, None]).to(dt)
     EE = tl.load(emat + ar_off + r[:, None] * C + r[None, :]).to(dt)
