@@ -706,13 +706,13 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None)
     return layout
 
 
-_layout_cache = [None]  # (cu_seqlens, its version, T, layout) of the last packed call
+_layout_cache = [None]  # (cu_seqlens's values, device, layout) of the last packed call
 
 
 def _check_cu_seqlens(cu_seqlens, q):
     """The layout of packed sequences (_varlen_layout), or a ValueError naming what is wrong with cu_seqlens (the
-    same checks as model.check_cu_seqlens). Its values are read back to the host once: the layout of the last
-    cu_seqlens is kept while that tensor is not changed in place, so that the layers of a model share one read."""
+    same checks as model.check_cu_seqlens). Its values are read back to the host; the layout of the last values is
+    kept, so that the layers of a model share one copy to the device (keyed on the values, never on the tensor)."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
     if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
@@ -721,12 +721,10 @@ def _check_cu_seqlens(cu_seqlens, q):
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     if q.shape[0] != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
-    keep = not cu_seqlens.is_inference()  # inference tensors have no version counter: not kept
-    key = (cu_seqlens, cu_seqlens._version if keep else None, q.shape[1])
-    cached = _layout_cache[0]
-    if keep and cached is not None and cached[0] is key[0] and cached[1:3] == key[1:]:
-        return cached[3]
     bounds = cu_seqlens.tolist()
+    cached = _layout_cache[0]
+    if cached is not None and cached[0] == bounds and cached[1] == q.device and bounds[-1] == q.shape[1]:
+        return cached[2]
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
     if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
@@ -734,8 +732,7 @@ def _check_cu_seqlens(cu_seqlens, q):
     if bounds[-1] != q.shape[1]:
         raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
     layout = _varlen_layout(bounds, q.device)
-    if keep:
-        _layout_cache[0] = key + (layout,)
+    _layout_cache[0] = (bounds, q.device, layout)
     return layout
 
 

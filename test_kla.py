@@ -1096,7 +1096,7 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
 
 
 def test_kernel_packed_layout_follows_cu_seqlens():
-    """The kernel keeps the layout of the last cu_seqlens: reused for the same tensor (here through
+    """The kernel keeps the layout of the last cu_seqlens's values: reused for the same values (here through
     linear_attention), rebuilt when the tensor is changed in place."""
     inputs, cu = packed_inputs([5, 70, 3], K=32, V=16)
     x = [t.float() for t in inputs[:5]]
@@ -1107,10 +1107,26 @@ def test_kernel_packed_layout_follows_cu_seqlens():
             o2, _ = model.linear_attention(*x, backend="triton", cu_seqlens=cu)
             ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
             assert rel_err(o, ref) < 1e-4 and torch.equal(o, o2)
-    with torch.inference_mode():  # inference tensors have no version counter: their layout is not kept
+    with torch.inference_mode():  # inference tensors (no version counter) the same
         cu_inf = cu.clone()
         o3, _ = kernel.kla_chunk(*x, cu_seqlens=cu_inf)
     assert torch.equal(o3, o)
+
+
+def test_kernel_packed_layout_follows_values_written_without_a_version_bump():
+    """cu_seqlens's values changed where autograd's version counter does not see it (through .data, or a numpy array
+    sharing its memory): the kernel follows the values, as the float64 reference does."""
+    inputs, cu = packed_inputs([30, 40], K=32, V=16)
+    x = [t.float() for t in inputs[:5]]
+    with torch.no_grad():
+        kernel.kla_chunk(*x, cu_seqlens=cu)
+        for write in (lambda: cu.data.__setitem__(1, 50), lambda: cu.numpy().__setitem__(1, 10)):
+            version = cu._version
+            write()
+            assert cu._version == version
+            o, _ = kernel.kla_chunk(*x, cu_seqlens=cu)
+            ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
+            assert rel_err(o, ref) < 1e-4, cu.tolist()
 
 
 
