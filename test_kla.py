@@ -931,10 +931,16 @@ def test_kernel_bf16_matches_float64(B, T, H, K, V, use_h0, opts, bf16_interpret
     assert finite and errs and all(e < test_gpu.TOL[torch.bfloat16] for e in errs.values()), errs
 
 
+def set_config_rows(monkeypatch, name, **values):
+    """Every row of kernel.CONFIGS for kernel `name` set to these launch values, whatever the shape."""
+    for key in [key for key in kernel.CONFIGS if key[0] == name]:
+        monkeypatch.setitem(kernel.CONFIGS, key, values)
+
+
 def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     """The forward without autograd with the state's share of the output added after the sequential pass
     (_fwd_o_kernel from the states it then saves; bench.py --fuse_o=0, measured faster for long prefills)."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: False)
+    set_config_rows(monkeypatch, "fuse_o", FUSE_O=False)
     inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     with torch.no_grad():
@@ -947,7 +953,7 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
     """The forward path the config picks for other shapes than these small ones (the output added inside
     the sequential forward even when the states are saved for the backward): output, every gradient, and
     the forward without autograd."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: True)
+    set_config_rows(monkeypatch, "fuse_o", FUSE_O=True)
     inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
@@ -962,8 +968,9 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
 @pytest.mark.parametrize("bv,stages", [(16, 2), (32, 3), (64, 3)])
 def test_kernel_value_blocks_match_float64(bv, stages, monkeypatch):
     """Each value block the sequential kernels' config picks in bf16 on a GPU (16 / 32 / 64 columns a program,
-    kernel._seq_config), here in float32 on V = 96 (the last block partly masked at 64), forward and backward."""
-    monkeypatch.setattr(kernel, "_seq_config", lambda BH, V, fp32=False, bwd=False: (bv, 4, stages))
+    kernel.CONFIGS), here in float32 on V = 96 (the last block partly masked at 64), forward and backward."""
+    for name in ("fwd", "bwd_state"):
+        set_config_rows(monkeypatch, name, BV=bv, num_warps=4, num_stages=stages)
     inputs = make_inputs(1, 130, 2, 32, 96, norm_range=(-1, 1))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
@@ -1083,7 +1090,7 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
     """Packed sequences (cu_seqlens) in the kernel against the float64 reference run on each sequence alone:
     output, final states and every gradient (initial states included), both forward paths; and the forward
     without autograd."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: fuse_o)
+    set_config_rows(monkeypatch, "fuse_o", FUSE_O=fuse_o)
     inputs, cu = packed_inputs(lens, K=32, V=16)
     ref = outputs_and_grads(separately(kla_recurrent, cu), inputs, use_h0)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], use_h0, cu_seqlens=cu.int())
@@ -1377,7 +1384,7 @@ def test_fused_decode_step_is_one_graph():
 def test_decode_linear_against_float64(N, K, norm):
     """kernel_decode.decode_linear (batch-1 decoding's head, with its RMSNorm) against the same in float64;
     K = 5000 walks K in two blocks; (300, 24), (300, 2100), (2001, 24), (4102, 24) and (8203, 24) take
-    _linear_config's 4, 16, 8, 4 and 8 rows a program (the last program of 2001, 4102 and 8203 partly past
+    kernel_decode.DECODE_CONFIGS's 4, 16, 8, 4 and 8 rows a program (the last program of 2001, 4102 and 8203 partly past
     the end)."""
     torch.manual_seed(0)
     x, w, nw = torch.randn(1, K), torch.randn(N, K) / K ** 0.5, torch.rand(K) + 0.5
@@ -1640,7 +1647,7 @@ def test_gpu_script_smoke():
 def test_bench_smoke(tmp_path):
     """bench.py --smoke: every section a GPU run uses, at toy sizes on the CPU (the kernel in Triton's
     interpreter), writes its table; --fuse_o=0 forces the kernel's other forward path."""
-    sections = "kernel,varlen,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile,tune_decode"
+    sections = "kernel,varlen,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile"
     p = run("bench.py", "--smoke", f"--section={sections}", "--compile=0", "--fuse_o=0", f"--out={tmp_path}",
             timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -1650,6 +1657,36 @@ def test_bench_smoke(tmp_path):
         assert sec["rows"] and all(len(r) == len(sec["head"]) for r in sec["rows"]), name
         assert not any(isinstance(x, str) and x.endswith("Error") for r in sec["rows"] for x in r), name
     assert (tmp_path / "bench.md").read_text().count("### ") == len(sections.split(","))
+
+
+def test_tune_tool_times_variants_from_overridden_table_rows(tmp_path):
+    """tools/tune.py --smoke: decode_linear's variants and the backward's, in Triton's interpreter, each variant
+    launched from the table rows it overrides (kernel.CONFIGS, kernel_decode.DECODE_CONFIGS), restored after it."""
+    p = run(os.path.join("tools", "tune.py"), "--smoke", "--section=tune_decode,tune", "--variants=wy warps=8",
+            f"--out={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    text = (tmp_path / "tune.md").read_text()
+    assert text.count("### ") == 2 and "| decode_linear BN=16 warps=4 |" in text and "| wy warps=8 |" in text, text
+    assert "Error" not in text and "| dq/dk BKB=32" not in text, text
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import tune
+    finally:
+        sys.path.pop(0)
+    tables = [dict(kernel.CONFIGS), dict(kernel_decode.DECODE_CONFIGS)]
+    restore = tune.overridden({**tune.rows("bwd_wy", num_warps=2, num_stages=1),
+                               **tune.rows("linear", kernel_decode.DECODE_CONFIGS, BN=32, num_warps=2)})
+    try:
+        for BK, fp32 in ((16, False), (128, False), (32, True)):
+            assert kernel._config("bwd_wy", BK, 64, fp32) == dict(num_warps=2, num_stages=1)
+        assert kernel._config("bwd_cc", 128, 64) == tables[0]["bwd_cc", "K >= 96"]
+        assert kernel_decode._decode_config("linear", N=50304, K=768) == dict(BN=32, num_warps=2, BK=1024)
+    finally:
+        restore()
+    assert [kernel.CONFIGS, kernel_decode.DECODE_CONFIGS] == tables
+    assert_each_is_one_line(os.path.join("tools", "tune.py"), [
+        ("--secton=tune", "error: unknown argument '--secton=tune'; tools/tune.py takes --smoke and"),
+        ("--section=kernel", "error: --section=kernel: choose from tune, tune_seq, tune_decode")])
 
 
 def test_bench_kernel_rows_in_the_order_given(tmp_path):
