@@ -1245,18 +1245,16 @@ def test_kernels_transpose_no_product_into_a_product(tmp_path):
         assert not any(c and q for _, c, q in ts), (name, ts)
 
 
-def test_prep_kernel_inverse_and_its_bench_tool():
-    """_prep_kernel, launched as tools/prep_bench.py launches it: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1
-    (stored in bf16) against float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
-    try:
-        import prep_bench
-    finally:
-        sys.path.pop(0)
+def test_prep_kernel_inverse():
+    """_prep_kernel launched alone: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1 (stored in bf16) against
+    float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""
     B, T, H, K = 1, 100, 2, 96
     q, k, v, g, eta, _ = make_inputs(B, T, H, K, 8, norm_range=(-1, 1))
-    fn, ar = prep_bench.prep_call(kernel, k.float(), g.float(), eta.float(), B, T, H, K, 1)
-    fn()
+    N, C = triton.cdiv(T, kernel.C_CHUNK), kernel.C_CHUNK
+    bl, beta, sa = torch.empty(B * H, N * C), torch.empty(B * H, N * C), torch.empty(B * H, N * C, C)
+    ar = torch.full((B * H, N * C, C), float("nan"), dtype=torch.bfloat16)
+    kernel._prep_kernel[(N, B * H)](k.float(), g.float(), eta.float(), bl, beta, ar, sa, None, T, H, N * C, 1e-6, K=K,
+                                    C=C, BK=kernel._block_k(K), KACZ=True, VARLEN=False, PREC="tf32", num_warps=1)
     kd, beta = k.double(), eta.double() / (k.double().pow(2).sum(-1) + 1e-6)
     for h in range(H):
         for n in range(2):
@@ -1687,6 +1685,41 @@ def test_tune_tool_times_variants_from_overridden_table_rows(tmp_path):
     assert_each_is_one_line(os.path.join("tools", "tune.py"), [
         ("--secton=tune", "error: unknown argument '--secton=tune'; tools/tune.py takes --smoke and"),
         ("--section=kernel", "error: --section=kernel: choose from tune, tune_seq, tune_decode")])
+
+
+def test_train_memory_tool_on_the_cpu(tmp_path):
+    """tools/train_memory.py on a tiny model on the CPU: the saved activations by module and one summary row a mixer,
+    written to --out."""
+    p = run(os.path.join("tools", "train_memory.py"), "--device=cpu", "--dtype=float32", "--batch_size=1",
+            "--block_size=16", "--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=64", "--backend=chunkwise",
+            "--mixers=kla,attn", f"--out={tmp_path / 'memory.md'}", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    text = (tmp_path / "memory.md").read_text()
+    for mixer in ("kla", "attn"):
+        row = re.search(rf"^\| {mixer} \| eager \| ([\d,]+) \|", text, re.M)
+        assert row and int(row.group(1).replace(",", "")) > 0, text
+    assert "| mlp.down |" in text, text
+
+
+def test_loss_bench_tool_checks_its_flags_and_compares_the_losses():
+    """tools/loss_bench.py: a bad --chunks and a machine without a GPU are one line each, before any work; its two
+    losses (logits, then the fused loss at a small chunk) agree in value and gradients on the CPU."""
+    tool = os.path.join("tools", "loss_bench.py")
+    p = run(tool, "--chunks=5")
+    assert_clean_error(p, "--chunks=5: must be exponents N of 2^N logits a chunk")
+    if not torch.cuda.is_available():
+        assert_clean_error(run(tool), "found none")
+    code = ("import sys, torch; sys.argv = ['loss_bench.py']; sys.path.insert(0, 'tools'); import loss_bench as b; "
+            "b.kla_model.LOSS_CHUNK = 2 ** 10; torch.manual_seed(0); t = torch.randint(0, 300, (64,)); t[::7] = -1; "
+            "out = []\n"
+            "for fn in (b.plain, b.fused):\n"
+            "    x, w = torch.randn(64, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)\n"
+            "    torch.manual_seed(1); x.data.normal_(); w.data.normal_(); loss = fn(x, w, t); loss.backward()\n"
+            "    out.append((loss.detach(), x.grad, w.grad))\n"
+            "print(max((a - c).abs().max().item() for a, c in zip(*out)))")
+    p = run("-c", code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert float(p.stdout.split()[-1]) < 1e-5, p.stdout
 
 
 def test_bench_kernel_rows_in_the_order_given(tmp_path):
