@@ -49,6 +49,7 @@ dA o Gamma transposed from the buffer _bwd_wy_kernel wrote.
 import math
 import numbers
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -724,10 +725,13 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None)
                              "float16 or float32 (use model.kla_chunkwise for float64)")
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q must be (B, T, H, K) and v (B, T, H, V), got {tuple(q.shape)} and {tuple(v.shape)}")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not q.is_cuda and not interpreted:
         raise ValueError(f"q is on {q.device}: the Triton kernels take CUDA tensors (model.kla_chunkwise runs on any "
                          "device; TRITON_INTERPRET=1 runs the kernels on the CPU, slowly)")
     (B, T, H, K), V = q.shape, v.shape[-1]
+    if H == 0 or K == 0 or V == 0:
+        raise ValueError(f"the heads are empty: H = {H}, K = {K}, V = {V}; each must be at least 1")
     state_name = "state" if step else "initial_state"
     if step and state is None:
         raise ValueError("kla_step needs the state, a float32 tensor of shape (B, H, K, V) (zeros to start)")
@@ -750,7 +754,15 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None)
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number (None: K^-0.5), got {scale!r}")
+    dtypes = {x.dtype for x in (q, k, v)} & {torch.bfloat16, torch.float16}
+    if interpreted and dtypes and not _interpreter_warned[0]:
+        _interpreter_warned[0] = True
+        warnings.warn(f"{min(dtypes, key=str)} inputs under TRITON_INTERPRET=1: Triton's interpreter multiplies bf16 "
+                      "tiles wrongly, so the kernels' results are garbage there (use float32, or model.kla_chunkwise)")
     return layout
+
+
+_interpreter_warned = [False]  # the interpreter's bf16 warning is given once a process
 
 
 _layout_cache = [None]  # (cu_seqlens's values, device, layout) of the last packed call
@@ -1031,20 +1043,21 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out
     tensor to write the new state into, which may be state itself (each program reads its block of the
     state before it writes it). No host synchronisation: capturable in a CUDA graph. Not differentiable."""
     _check(q, k, v, g, eta, state, eps, step=True, scale=scale)
-    q, k, v = _common_dtype(q, k, v)
     B, _, H, K = q.shape
     V = v.shape[-1]
+    if out_state is not None and (not torch.is_tensor(out_state) or out_state.dtype != torch.float32
+                                  or tuple(out_state.shape) != (B, H, K, V) or out_state.device != q.device
+                                  or not out_state.is_contiguous()):
+        got = (f"{out_state.dtype} {tuple(out_state.shape)} on {out_state.device}"
+               f"{'' if out_state.is_contiguous() else ' (strided)'}" if torch.is_tensor(out_state) else type(out_state))
+        raise ValueError(f"out_state must be a contiguous float32 tensor of shape {(B, H, K, V)} on {q.device}, "
+                         f"got {got}")
+    q, k, v = _common_dtype(q, k, v)
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, eta = (x.contiguous() for x in (q, k, v, g, eta))
     state = state.contiguous()
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
-    if out_state is None:
-        new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    elif out_state.shape != (B, H, K, V) or out_state.dtype != torch.float32 or not out_state.is_contiguous():
-        raise ValueError(f"out_state must be a contiguous float32 tensor of shape {(B, H, K, V)}, got "
-                         f"{out_state.dtype} {tuple(out_state.shape)}{'' if out_state.is_contiguous() else ' (strided)'}")
-    else:
-        new_state = out_state
+    new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if out_state is None else out_state
     step = _config("step", _block_k(K), V)
     _step_kernel[(triton.cdiv(V, step["BV"]), B * H)](q, k, v, g, eta, state, o, new_state, float(scale),
                                                       float(eps), K=K, V=V, BK=_block_k(K), KACZ=bool(kaczmarz),

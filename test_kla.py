@@ -1036,6 +1036,49 @@ def test_kernel_argument_errors(monkeypatch):
             call()
 
 
+def test_kernel_size_zero_and_out_state_errors():
+    """No heads (H = 0), an empty key or value (K = 0, V = 0) in kla_chunk and kla_step, and an out_state of the
+    wrong type, dtype, shape, device or layout: one ValueError naming the value and what is allowed, before any work
+    (the state given as out_state is left as it was)."""
+    q, k, v, g, eta, h0 = make_inputs(1, 8, 2, 32, 16, dtype=torch.float32)
+    for sl, msg in (((slice(None), slice(None), slice(0, 0)), r"H = 0, K = 32, V = 16; each must be at least 1"),):
+        with pytest.raises(ValueError, match=msg):
+            kernel.kla_chunk(q[sl], k[sl], v[sl], g[sl], eta[sl])
+        with pytest.raises(ValueError, match=msg):
+            kernel.kla_step(*(x[:, :1][sl] for x in (q, k, v, g, eta)), h0[:, :0])
+    with pytest.raises(ValueError, match=r"H = 2, K = 0, V = 16; each must be at least 1"):
+        kernel.kla_chunk(q[..., :0], k[..., :0], v, g, eta)
+    with pytest.raises(ValueError, match=r"H = 2, K = 32, V = 0; each must be at least 1"):
+        kernel.kla_step(*(x[:, :1] for x in (q, k)), v[:, :1, :, :0], g[:, :1], eta[:, :1], h0[..., :0])
+    one = [x[:, :1] for x in (q, k, v, g, eta)]
+    shape = r"must be a contiguous float32 tensor of shape \(1, 2, 32, 16\) on cpu, got "
+    cases = [(h0.numpy(), shape + "<class 'numpy.ndarray'>"), (h0.double(), shape + r"torch.float64"),
+             (h0[:, :1], shape + r"torch.float32 \(1, 1, 32, 16\)"),
+             (torch.empty(1, 2, 32, 16, device="meta"), shape + r"torch.float32 \(1, 2, 32, 16\) on meta"),
+             (h0.transpose(2, 3).contiguous().transpose(2, 3), shape + r".* \(strided\)")]
+    for out, msg in cases:
+        state = h0.clone()
+        with pytest.raises(ValueError, match="out_state " + msg):
+            kernel.kla_step(*one, state, out_state=out)
+        assert torch.equal(state, h0)
+
+
+def test_kernel_warns_once_of_the_interpreters_bf16(monkeypatch):
+    """bf16 or fp16 inputs in Triton's interpreter (whose bf16 products are wrong without the bf16_interpreter
+    fixture): one warning a process, saying so; float32 inputs none."""
+    monkeypatch.setattr(kernel, "_interpreter_warned", [False])
+    q, k, v, g, eta, h0 = make_inputs(1, 1, 2, 16, 16, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernel.kla_step(q, k, v, g, eta, h0)
+        assert not caught
+        for dt in (torch.bfloat16, torch.float16):
+            kernel.kla_step(q.to(dt), k.to(dt), v.to(dt), g, eta, h0)
+            kernel.kla_chunk(q.to(dt), k.to(dt), v.to(dt), g, eta)
+    assert len(caught) == 1 and "TRITON_INTERPRET=1" in str(caught[0].message), [str(w.message) for w in caught]
+    assert "torch.bfloat16 inputs" in str(caught[0].message) and "garbage" in str(caught[0].message)
+
+
 def test_kernel_noncontiguous_no_grad_and_scale():
     q, k, v, g, eta, h0 = make_inputs(1, 70, 2, 32, 32, dtype=torch.float32, norm_range=(-1, 1))
     # (B, H, T, D) storage viewed as (B, T, H, D)
