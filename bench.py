@@ -62,6 +62,11 @@ MODEL_HEADS = (32, 2048, 6, 96, 192)  # (B, T, H, K, V): GPT-2 small's KLA heads
 
 
 def load_fla():
+    """fla's chunk and one-token kernels, or (None, None): without a GPU as when it is not installed (its autotuner
+    needs CUDA, so on the CPU its columns stay empty either way)."""
+    if not torch.cuda.is_available():
+        print("fla not used without a CUDA GPU: its columns are left empty")
+        return None, None
     try:
         import fla.ops.common.chunk_o as chunk_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -76,7 +81,10 @@ def load_fla():
 
 
 def load_flash_qla():
-    """FlashQLA's chunk_gated_delta_rule (Qwen's TileLang kernels; Hopper, K = V = 128), or None."""
+    """FlashQLA's chunk_gated_delta_rule (Qwen's TileLang kernels; Hopper, K = V = 128), or None (also without a GPU)."""
+    if not torch.cuda.is_available():
+        print("flash_qla not used without a CUDA GPU: its columns are left empty")
+        return None
     try:
         from flash_qla import chunk_gated_delta_rule
     except Exception as err:  # ImportError, or its TileLang / CUDA setup failing
