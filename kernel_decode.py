@@ -39,7 +39,7 @@ DECODE_CONFIGS = {
     ("linear", "N <= 1024, K < 2048"): dict(BN=4, num_warps=8),  # the mixer's output projection (768, 1152)
     ("linear", "N <= 1024, K >= 2048"): dict(BN=16, num_warps=8),  # the MLP's down projection (768, 2048)
     ("linear", "K <= 1024"): dict(BN=8, num_warps=1),  # the block's input projection (3472, 768)
-    ("linear", "K > 1024"): dict(BN=2, num_warps=8),  # wide inputs: fewer rows a program (not measured)
+    ("linear", "K > 1024"): dict(BN=2, num_warps=8),  # the sweeps' starting point; no projection of the model
     # _decode_mixer_kernel (batch > 1): BV value columns a step, at most V's power of two
     ("mixer", "any"): dict(BV=64, num_warps=4),  # the head's whole state as one tile (16 warps) was slower
     # _decode_state_kernel (batch 1): BV value columns a program
