@@ -1,5 +1,5 @@
 """
-Benchmarks on one GPU: python bench.py [--section=kernel,decode,profile,tune] [--out=DIR] [--smoke]
+Benchmarks on one GPU: python bench.py [--section=kernel,decode,profile] [--out=DIR] [--smoke]
 
 Sections (comma-separated; default kernel,decode):
   kernel  kernel.kla_chunk against the same KLA layer through fla-core 0.6.0's and FlashQLA 0.1.3's
@@ -12,10 +12,6 @@ Sections (comma-separated; default kernel,decode):
           (beta in PyTorch) on the same cu_seqlens.
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
-  tune    kernel.py's block sizes and warps, one variant at a time (for choosing the defaults).
-  tune_seq  the sequential kernels' value block, warps / stages and their alternatives (--shapes=0,1 picks shapes,
-          --variants=block the variants whose name holds the text).
-  tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
           (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, their GPTConfig
           switches), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
@@ -34,7 +30,7 @@ Sections (comma-separated; default kernel,decode):
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention
           (--lengths=1024 and --batch=1 pick prompts and batches)
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
-inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
+inside it (kernel.CONFIGS's "fuse_o"), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
 --pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
 An argument other than --smoke and these --KEY=VALUE (FLAGS) is refused in one line before any work, a typo too.
 Each section returns (title, header, rows) for one printed table, all also written to DIR/bench.md
@@ -66,6 +62,11 @@ MODEL_HEADS = (32, 2048, 6, 96, 192)  # (B, T, H, K, V): GPT-2 small's KLA heads
 
 
 def load_fla():
+    """fla's chunk and one-token kernels, or (None, None): without a GPU as when it is not installed (its autotuner
+    needs CUDA, so on the CPU its columns stay empty either way)."""
+    if not torch.cuda.is_available():
+        print("fla not used without a CUDA GPU: its columns are left empty")
+        return None, None
     try:
         import fla.ops.common.chunk_o as chunk_o
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -80,7 +81,10 @@ def load_fla():
 
 
 def load_flash_qla():
-    """FlashQLA's chunk_gated_delta_rule (Qwen's TileLang kernels; Hopper, K = V = 128), or None."""
+    """FlashQLA's chunk_gated_delta_rule (Qwen's TileLang kernels; Hopper, K = V = 128), or None (also without a GPU)."""
+    if not torch.cuda.is_available():
+        print("flash_qla not used without a CUDA GPU: its columns are left empty")
+        return None
     try:
         from flash_qla import chunk_gated_delta_rule
     except Exception as err:  # ImportError, or its TileLang / CUDA setup failing
@@ -258,155 +262,6 @@ def section_decode(device, smoke):
         print(rows[-1], flush=True)
     head = ["batch", "ours us", "ours in a CUDA graph us", "fla fused_recurrent us", "ours / fla"]
     return f"decode step, H = {H}, D = {D}, bf16 q/k/v, fp32 state (fla given beta precomputed)", head, rows
-
-
-def section_tune(device, smoke):
-    """The chunk backward's token-parallel kernels, one variant at a time (kernel's config functions replaced):
-    value columns, warps and pipeline stages of _bwd_cc_kernel, warps of _bwd_wy_kernel, key and value columns,
-    warps and stages of _bwd_dqk_kernel; forward + backward time. Shapes (B, T, H, K[, V]); --shapes=0,2 picks
-    some by index, --variants=wy the variants whose name holds the text (and the defaults). The first shape is the
-    model's own heads. A faulting variant ends the process (time_variants)."""
-    shapes = [(1, 100, 2, 32)] if smoke else [MODEL_HEADS, (8, 4096, 16, 128), (16, 2048, 8, 64)]
-    if ARGS.get("shapes") and not smoke:
-        shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
-    variants = []  # (shape, backward, name, patch)
-    dqk = lambda c: dict(_bwd_dqk_config=lambda BK, V, fp32=False, c=c: (min(BK, c[0]),) + c[1:])
-    for shape in shapes:
-        variants.append((shape, True, "default", {}))
-        for c in ((32, 4, 1), (64, 8, 1), (32, 8, 1), (64, 4, 2), (32, 4, 2), (128, 8, 1)):
-            variants.append((shape, True, "cc BV={} warps={} stages={}".format(*c),
-                             dict(_bwd_chunk_config=lambda BK, V, fp32=False, c=c: c)))
-        for nw in (2, 4, 8):
-            variants.append((shape, True, f"wy warps={nw}", dict(_bwd_wy_config=lambda BK, fp32=False, nw=nw: (nw, 3))))
-        for c in ((32, 16, 4, 1), (32, 32, 4, 1), (32, 32, 8, 1), (32, 32, 4, 2), (32, 32, 2, 1), (64, 32, 4, 1),
-                  (64, 32, 8, 2), (64, 64, 8, 1), (64, 16, 4, 1), (128, 32, 8, 1), (128, 16, 8, 1), (128, 32, 8, 2),
-                  (32, 64, 4, 1)):  # the last faulted the GPU at the model's heads (Triton 3.6)
-            variants.append((shape, True, "dq/dk BKB={} BV={} warps={} stages={}".format(*c), dqk(c)))
-        variants.append((shape, True, "the K = 64 configurations: wy warps=8, dq/dk BKB=64 BV=32 warps=8 stages=1",
-                         dict(_bwd_wy_config=lambda BK, fp32=False: (8, 3), **dqk((64, 32, 8, 1)))))
-    if ARGS.get("variants"):
-        variants = [v for v in variants if ARGS["variants"] in v[2] or v[2] == "default"]
-    return "kernel.py chunk-backward variants (ms, do_bench median; peak MiB)", \
-        ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
-
-
-def time_variants(variants, device):
-    """Rows [shape, pass, variant, ms, peak MiB]: ours_chunk timed once per (shape (B, T, H, K[, V]), backward,
-    name, patch) in order, patch mapping names of kernel's config functions to replacements, restored after each.
-    A variant that faults the GPU poisons the process: it exits printing RESTART_AT=<next index>, and
-    `--start=<index>` goes on from there in a new process."""
-    saved = {n: getattr(kernel, n) for *_, patch in variants for n in patch}
-    rows = []
-    for i, (shape, backward, name, patch) in enumerate(variants):
-        if i < int(ARGS.get("start", 0)):
-            continue
-        for n, f in patch.items():
-            setattr(kernel, n, f)
-        label = [str(shape), "fwd+bwd" if backward else "fwd", name]
-        try:
-            ms, mem = timed(ours_chunk, inputs(*shape[:4], device, backward, V=shape[4] if len(shape) > 4 else None),
-                            backward, device)
-        except Exception as err:
-            rows.append(label + [type(err).__name__, ""])
-            print(rows[-1], flush=True)
-            if "illegal" in str(err) or type(err).__name__ == "AcceleratorError":
-                print(f"RESTART_AT={i + 1}", flush=True)
-                os._exit(3)
-            continue
-        finally:
-            for n, f in saved.items():
-                setattr(kernel, n, f)
-        rows.append(label + [ms, mem])
-        print(rows[-1], flush=True)
-    return rows
-
-
-def section_tune_decode(device, smoke):
-    """kernel_decode.decode_linear (batch-1 decoding's projections) on GPT-2 small's shapes, rows a program and warps
-    one variant at a time (kernel_decode._linear_config replaced), against torch's F.linear (cuBLAS) on the same
-    weight; GPU time a call, and the bandwidth the weight's bytes give. The timed CUDA graph
-    (triton.testing.do_bench_cudagraph) makes one call on each of several copies of the weight, together
-    past the 50 MB L2 cache (as a decoding step's 276 MB of weights are), so that every call reads from HBM."""
-    shapes = [(40, 24)] if smoke else [(3472, 768), (768, 1152), (4096, 768), (768, 2048), (50304, 768)]
-    saved, rows = kernel_decode._linear_config, []
-
-    def gpu_us(fn, ws):
-        if smoke:
-            fn(ws[0])
-            return float("nan")
-        return triton.testing.do_bench_cudagraph(lambda: [fn(w) for w in ws]) * 1e3 / len(ws)
-
-    try:
-        for N, K in shapes:
-            dtype = torch.float32 if smoke else torch.bfloat16
-            copies = 1 if smoke else max(8, -(-256 * 2**20 // (N * K * 2)))
-            ws = [torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5 for _ in range(copies)]
-            w, x = ws[0], torch.randn(1, K, device=device, dtype=dtype)
-            us = gpu_us(lambda w: torch.nn.functional.linear(x, w), ws)
-            rows.append([f"({N}, {K})", "F.linear (cuBLAS)", us, N * K * w.element_size() / us / 1e6])
-            print(rows[-1], flush=True)
-            BK = min(triton.next_power_of_2(K), 4096)
-            for bn in ((16,) if smoke else (1, 2, 4, 8, 16, 32)):
-                for nw in ((4,) if smoke else (1, 2, 4, 8)):
-                    kernel_decode._linear_config = lambda N, K, bn=bn, nw=nw: (bn, BK, nw)
-                    try:
-                        us = gpu_us(lambda w: kernel_decode.decode_linear(x, w), ws)
-                    except Exception as err:  # e.g. out of resources: that variant is out, the rest go on
-                        rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", type(err).__name__, ""])
-                        continue
-                    rows.append([f"({N}, {K})", f"decode_linear BN={bn} warps={nw}", us,
-                                 N * K * w.element_size() / us / 1e6])
-                    print(rows[-1], flush=True)
-            kernel_decode._linear_config = saved
-    finally:
-        kernel_decode._linear_config = saved
-    return "decode_linear variants, one token (us of GPU time a call)", ["(N, K)", "variant", "us", "TB/s"], rows
-
-
-def section_tune_seq(device, smoke):
-    """The sequential kernels and their helpers, one variant at a time: warps and pipeline stages of
-    _fwd_kernel / _bwd_state_kernel, the output added inside _fwd_kernel or by _fwd_o_kernel (o), warps of
-    _prep_kernel, the pre-kernels' block. --shapes=1 picks shapes by index. A variant that faults the GPU (num_stages=1 on the sequential
-    forward did, Triton 3.6) poisons the process: it exits printing RESTART_AT=<next index>, and
-    `--start=<index>` goes on from there in a new process."""
-    shapes = [(1, 100, 2, 32)] if smoke else [(1, 32768, 16, 128), (8, 4096, 16, 128), (16, 2048, 8, 64),
-                                             MODEL_HEADS, (8, 8192) + MODEL_HEADS[2:], (2, 32768) + MODEL_HEADS[2:]]
-    if ARGS.get("shapes") and not smoke:
-        shapes = [shapes[int(i)] for i in ARGS["shapes"].split(",")]
-    saved = {n: getattr(kernel, n) for n in ("_seq_config", "_fwd_fuse_o", "_prep_warps", "_pre_config")}
-    variants = []  # (shape, backward, name, patch)
-    for shape in shapes:
-        BH, V = shape[0] * shape[2], shape[-1]
-        bv0 = saved["_seq_config"](BH, V)[0]
-        for bwd in (False, True):  # value columns a program, against the grid's waves over the SMs
-            for bv in (16, 32, 64):
-                for ns in (2, 3):
-                    variants.append((shape, bwd, f"{'bwd state' if bwd else 'fwd'} value block {bv}, stages={ns}",
-                                     dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv, 4, ns), b=bwd:
-                                          c if bwd == b else saved["_seq_config"](BH, V, fp32, bwd))))
-        variants.append((shape, False, "default", {}))
-        for fuse in (True, False):
-            for nw in (4, 8):
-                for ns in (2, 3, 4):
-                    variants.append((shape, False, f"fwd BV={bv0} warps={nw} stages={ns} o={'fused' if fuse else 'split'}",
-                                     dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if not bwd
-                                          else saved["_seq_config"](BH, V, fp32, bwd),
-                                          _fwd_fuse_o=lambda BH, V, save, N, f=fuse: f)))
-        for nw in (1, 4):
-            variants.append((shape, False, f"prep warps={nw}", dict(_prep_warps=lambda BK, fp32=False, nw=nw: nw)))
-        for bvp, nw in ((32, 4), (128, 4), (64, 8)):
-            variants.append((shape, False, f"pre BV={bvp} warps={nw}",
-                             dict(_pre_config=lambda BK, V, fp32=False, c=(bvp, nw): c)))
-        variants.append((shape, True, "default", {}))
-        for nw in (4, 8):
-            for ns in (2, 3, 4):
-                variants.append((shape, True, f"bwd state BV={bv0} warps={nw} stages={ns}",
-                                 dict(_seq_config=lambda BH, V, fp32=False, bwd=False, c=(bv0, nw, ns): c if bwd
-                                      else saved["_seq_config"](BH, V, fp32, bwd))))
-    if ARGS.get("variants"):  # --variants=block: only the variants whose name holds this text, and the defaults
-        variants = [v for v in variants if ARGS["variants"] in v[2] or v[2] == "default"]
-    return "kernel.py sequential-kernel variants (ms, do_bench median; peak MiB)", \
-        ["shape", "pass", "variant", "ms", "peak MiB"], time_variants(variants, device)
 
 
 def section_profile(device, smoke):
@@ -849,8 +704,7 @@ def section_generate(device, smoke):
 
 
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "varlen": section_varlen,
-            "decode": section_decode, "tune": section_tune,
-            "tune_seq": section_tune_seq, "tune_decode": section_tune_decode,
+            "decode": section_decode,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
             "prefill_profile": section_prefill_profile, "decode_profile": section_decode_profile,
             "generate": section_generate}
@@ -865,7 +719,7 @@ def table(title, head, rows):
 
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 # every --key=value the sections read (beside --smoke): any other argument, a typo too, is refused before any work
-FLAGS = ("section", "out", "plot", "rows", "shapes", "start", "variants", "lengths", "mixers", "batch", "compile",
+FLAGS = ("section", "out", "plot", "rows", "lengths", "mixers", "batch", "compile",
          "compile_infer", "fla_lm", "fla_compile", "fla_v", "fuse_o", "decode_fused", "pdl")
 
 
@@ -958,7 +812,8 @@ def main():
     if ARGS.get("pdl") == "0":  # batch-1 decoding's kernels launched plainly instead of as dependent launches
         kernel_decode.DECODE_PDL = False
     if "fuse_o" in ARGS:  # --fuse_o=0 / 1: force the forward's output split from / fused into the sequential pass
-        kernel._fwd_fuse_o = lambda BH, V, save, N, fused=ARGS["fuse_o"] == "1": fused
+        fused = ARGS["fuse_o"] == "1"
+        kernel.CONFIGS.update({key: dict(FUSE_O=fused) for key in kernel.CONFIGS if key[0] == "fuse_o"})
     device = "cpu" if smoke else "cuda"
     torch.manual_seed(0)
     dev = "CPU (interpreter)" if smoke else torch.cuda.get_device_name()

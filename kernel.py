@@ -16,32 +16,23 @@ entering the chunk, Gamma_ij = exp(b_i - b_j) for i >= j, else 0):
     O   = scale (Diag(exp b) Q S0 + (Gamma o Q K^T) U)
     S1  = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
 
-Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)):
-    _prep_kernel       grid (chunks, B*H): b (log2 domain), beta, and Ar inverted in float32: A from one C x C
-                       product through a float32 scratch, the four 16 x 16 diagonal blocks by forward substitution
-                       at once, then 16 -> 32 -> 64 block merges; Ar stored in bf16 (fp32 for fp32 input).
-    _fwd_pre_kernel    grid (chunks, B*H): the state-free parts W = P Diag(exp b) K, U0 = P V and
-                       Aqk = Gamma o QK^T (C x C, kept for the backward).
-    _fwd_kernel        grid (V / BV, B*H): walks the chunks in order with S in float32 registers:
-                       U = U0 - W S, O = scale (Diag(exp b) Q S + Aqk U), S <- exp(b_C) S + K^T Diag(exp(b_C - b)) U;
-                       saves S0 of every chunk for the backward when a gradient is needed.
-    _fwd_o_kernel      grid (chunks, B*H): O from the saved states (U again from U0 - W S0), when _fwd_kernel leaves
-                       it out (few programs, and a gradient needed or a long sequence: _fwd_fuse_o).
-    _bwd_pre_kernel    grid (chunks, B*H): dV0 = scale P^T Aqk^T dO (the forward's Aqk), Wd = P^T Diag(exp(b_C - b)) K.
-    _bwd_state_kernel  grid (V / BV, B*H): walks the chunks backwards with dS in registers: dv = dV0 + Wd dS1,
-                       dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dv.
-    _bwd_cc_kernel     grid (chunks, B*H): the value loop of the chunk backward (needs S0, dS1): two C x C
-                       accumulators dO Vn^T and dU Vn^T, Uc = Diag(exp(b_C - b)) U, and exp(b_C) <S0, dS1>.
-    _bwd_wy_kernel     grid (chunks, B*H): the C x C algebra: dA = scale dO U^T, the WY backward, dbeta and the
-                       beta chain rule, dg (reverse cumsum) and deta; writes dA o Gamma and E + E^T, E = Diag(beta) dA0.
-    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, three C x BKB accumulators; from
-                       them the gate gradient's terms that need S0 or dS1, over its key columns.
-    _bwd_dg_kernel     grid (chunks, B*H): sums those over the key blocks and adds their share to dg.
+Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)); grids
+(chunks, B*H) unless said:
+    _prep_kernel       b (log2 domain), beta, and Ar inverted in float32 (16 x 16 blocks merged 16 -> 32 -> 64).
+    _fwd_pre_kernel    the state-free parts W = P Diag(exp b) K, U0 = P V and Aqk = Gamma o QK^T.
+    _fwd_kernel        grid (V / BV, B*H): the chunks in order, S in registers: U = U0 - W S, O, S1; saves S0.
+    _fwd_o_kernel      O from the saved states, when _fwd_kernel leaves it out (CONFIGS's "fuse_o").
+    _bwd_pre_kernel    dV0 = scale P^T Aqk^T dO and Wd = P^T Diag(exp(b_C - b)) K.
+    _bwd_state_kernel  grid (V / BV, B*H): the chunks backwards, dS in registers: dv = dV0 + Wd dS1, dS0.
+    _bwd_cc_kernel     the value loop (needs S0, dS1): dO Vn^T, dU Vn^T, Uc and exp(b_C) <S0, dS1>.
+    _bwd_wy_kernel     the C x C algebra: dA, the WY backward, dbeta, dg (reverse cumsum), deta.
+    _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, and the gate terms needing S0, dS1.
+    _bwd_dg_kernel     sums those over the key blocks into dg.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
 The step size beta and its derivatives are the helpers _beta and _dbeta, used by every kernel here and in
 kernel_decode.py (the model's block-level decoding fusions): a new step-size rule changes model.kla_beta
 and those two. The one-token step on a state tile, _delta_step, is shared with kernel_decode.py too.
-Block sizes, warps and pipeline stages: the config functions after the kernels, each with its measurement.
+Block sizes, warps and pipeline stages: the table CONFIGS after the constants, a reason a row.
 
 Packed sequences (cu_seqlens, VARLEN): each sequence takes chunks of its own (_varlen_layout), so that no chunk holds
 two; the chunk-parallel kernels find a chunk's tokens in place in q, k, v, o through a chunk table (_chunk_rows: rows
@@ -58,6 +49,7 @@ dA o Gamma transposed from the buffer _bwd_wy_kernel wrote.
 import math
 import numbers
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -65,10 +57,81 @@ import triton
 import triton.language as tl
 
 C_CHUNK = 64
+if C_CHUNK != 4 * 16:  # _prep_kernel inverts four 16 x 16 diagonal blocks, merged 16 -> 32 -> 64 (_inv_block_merge)
+    raise ImportError(f"C_CHUNK = {C_CHUNK}: the inverse in _prep_kernel is written for chunks of 64 tokens")
 SMS = 132  # streaming multiprocessors of an H100 / H200: one wave of the sequential kernels' programs
 # exp(-104) is below float32's smallest number (2^-149): a decay across a gate at or below the floor is exactly 0,
 # as for g = -inf, which is raised to it so that the cumulative sums of g stay finite (-inf - -inf is NaN)
 GATE_FLOOR = tl.constexpr(-104.)
+
+# -----------------------------------------------------------------------------
+# launch configurations: one row per (kernel, case) with the reason; _config picks the case from the shape. BV and
+# BKB are caps, lowered to V's power of two (at least 16) and to BK. The measurements: docs/kernel.md, "Choices".
+
+CONFIGS = {
+    # _prep_kernel
+    ("prep", "16-bit"): dict(num_warps=1),  # more warps lose: the forward substitution's reductions cross warps
+    ("prep", "fp32"): dict(num_warps=2),  # float32 tiles take twice the registers (not measured)
+    # _fwd_pre_kernel, _fwd_o_kernel, _bwd_pre_kernel: BV value columns a step
+    ("pre", "16-bit"): dict(BV=64, num_warps=4),  # wide steps: fewer passes over the chunk's C x C tiles
+    ("pre", "fp32"): dict(BV=16, num_warps=4),  # float32 tiles in registers
+    # _fwd_kernel, the sequential forward: BV value columns a program
+    ("fwd", "fp32"): dict(BV=16, num_warps=4, num_stages=2),  # float32 tiles in registers
+    ("fwd", "many programs"): dict(BV=64, num_warps=4, num_stages=3),  # fewer programs read W, U0, Aqk per output
+    ("fwd", "few programs, one wave at 16"): dict(BV=16, num_warps=4, num_stages=3),  # more programs fill the SMs
+    ("fwd", "few programs"): dict(BV=32, num_warps=4, num_stages=3),  # 16 columns would take a second wave
+    # _bwd_state_kernel, the sequential backward: as the forward, every load of its step pipelined
+    ("bwd_state", "fp32"): dict(BV=16, num_warps=4, num_stages=2),
+    ("bwd_state", "many programs"): dict(BV=64, num_warps=4, num_stages=3),
+    ("bwd_state", "few programs, one wave at 16"): dict(BV=16, num_warps=4, num_stages=3),
+    ("bwd_state", "few programs"): dict(BV=32, num_warps=4, num_stages=3),
+    # whether _fwd_kernel adds the output itself (FUSE_O) or leaves it to _fwd_o_kernel from the saved states
+    ("fuse_o", "fills the GPU"): dict(FUSE_O=True),  # the programs at 16 columns fill the SMs: no second pass
+    ("fuse_o", "few programs, states saved or long"): dict(FUSE_O=False),  # fewer bytes a step of the serial loop
+    ("fuse_o", "few programs"): dict(FUSE_O=True),  # short forward-only calls: no consistent gain from the split
+    # _bwd_cc_kernel, the chunk backward's value loop
+    ("bwd_cc", "fp32"): dict(BV=16, num_warps=4, num_stages=1),  # float32 tiles in registers
+    ("bwd_cc", "K <= 64"): dict(BV=64, num_warps=4, num_stages=1),  # fewer, wider steps beat BV 16's fewer spills
+    ("bwd_cc", "K >= 96"): dict(BV=64, num_warps=4, num_stages=2),  # the second stage pays from K = 96 on
+    # _bwd_wy_kernel, the C x C algebra: no loop to pipeline (3 stages: Triton's default)
+    ("bwd_wy", "fp32"): dict(num_warps=4, num_stages=3),  # float32 tiles in registers
+    ("bwd_wy", "K <= 64"): dict(num_warps=8, num_stages=3),  # faster at small heads
+    ("bwd_wy", "K >= 96"): dict(num_warps=4, num_stages=3),  # two programs an SM at 4 warps, no spills
+    # _bwd_dqk_kernel: BKB key columns a program, BV value columns a step
+    ("bwd_dqk", "fp32"): dict(BKB=32, BV=16, num_warps=4, num_stages=1),  # float32 tiles in registers
+    ("bwd_dqk", "K <= 64"): dict(BKB=64, BV=32, num_warps=8, num_stages=1),  # 2 stages were slower here
+    # two programs a chunk at K = 128 read dO, dVn, Uc, dAg, E + E^T half as often as four; 64 columns at any V
+    ("bwd_dqk", "K >= 96"): dict(BKB=64, BV=64, num_warps=4, num_stages=2, exact_bv=True),
+    # _step_kernel, one decoding token
+    ("step", "any"): dict(BV=32, num_warps=4),  # the state read and written once, in small tiles
+}
+
+
+def _config(name, BK, V, fp32=False, BH=0, save=False, N=0):
+    """The launch values of CONFIGS's row for kernel `name` at key block BK, V value columns, BH programs' (batch or
+    sequence) x heads of the sequential kernels, save (states kept for a backward) and N chunks."""
+    few = BH * triton.cdiv(V, 32) < SMS  # the sequential kernels at 32 columns would leave SMs idle
+    if name == "fuse_o":
+        case = ("fills the GPU" if not few or BH * triton.cdiv(V, 16) >= 128 else
+                "few programs, states saved or long" if save or N >= 256 else "few programs")
+    elif name == "step":
+        case = "any"
+    elif fp32:
+        case = "fp32"
+    elif name in ("fwd", "bwd_state"):
+        case = ("many programs" if not few else
+                "few programs, one wave at 16" if BH * triton.cdiv(V, 16) <= SMS else "few programs")
+    elif name in ("bwd_cc", "bwd_wy", "bwd_dqk"):
+        case = "K >= 96" if BK >= 128 else "K <= 64"
+    else:
+        case = "16-bit"
+    row = dict(CONFIGS[name, case])
+    if "BV" in row and not row.pop("exact_bv", False):
+        row["BV"] = min(row["BV"], max(16, triton.next_power_of_2(V)))
+    if "BKB" in row:
+        row["BKB"] = min(row["BKB"], BK)
+    return row
+
 
 # -----------------------------------------------------------------------------
 # helpers
@@ -376,11 +439,9 @@ def _bwd_state_kernel(q, k, do, bl_ptr, wd, dv0, dht, dv, dhs, dh0, cu, cs, orde
     """Sequential over chunks in reverse, dS (K x BV) in float32 registers: dVn = dV0 + Wd dS1 (= dv),
     dS0 = exp(b_C) dS1 + scale (Diag(exp b) Q)^T dO - (Diag(exp b) K)^T dVn.
     VARLEN (as _fwd_kernel): each program walks back over its own sequence's chunks.
-    Every load of a step is issued stages ahead (cp.async), which Triton 3.6 does only for loads that feed a
-    product's operands: dV0 enters as dV0 - Wd (-dS1), since dV0 + Wd dS1 becomes the product's accumulator,
-    loaded synchronously; b_C, a scalar, is loaded a step ahead by hand. On an H200 forward + backward at
-    (1, 32768, 16, 128) 3.965 -> 3.490 ms, 0.97x at the many-program shapes (`python tools/ab_kernel.py`,
-    results/bench_h200/bwd_state_loads.md; `python tools/ptxas_report.py --loops` lists each loop's loads)."""
+    Every load of a step is issued stages ahead (cp.async), which Triton does only for loads that feed a
+    product's operands: dV0 enters as dV0 - Wd (-dS1), since as the product's accumulator it would be loaded
+    synchronously; b_C, a scalar, is loaded a step ahead by hand (`python tools/ptxas_report.py --loops`)."""
     i_v = tl.program_id(0)
     N = Tp // C
     i_p, i_bh, n0, n1, xb, xe = _seq_program(cu, cs, order, H, N, T, C, VARLEN)
@@ -421,14 +482,10 @@ def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, s
     """Backward, part 1 (grid (chunks, B*H)): the reductions over the value dimension that need S0 and dS1
     of the chunk. Only two C x C float32 accumulators live across the value loop, the transposes Vn dO^T and
     Vn dU^T (no C x K one; Vn enters both products as computed, dU^T is built from transposes of loaded tiles:
-    one K-deep product a value block fewer than with Vn^T, forward + backward 0.93x the time at (8, 4096, 16,
-    128) and at the model's heads on an H200, `python tools/ab_kernel.py`). Writes
+    one K-deep product a value block fewer than with Vn^T). Writes
         Uc = Diag(exp(b_C - b)) U (C x V), dO Vn^T and dU Vn^T (C x C), and exp(b_C) <S0, dS1>, the gate
         gradient's term of the decay across the chunk (its other terms that need S0 or dS1 come from
-        _bwd_dqk_kernel's accumulators). Among those, the rows exp(b_C - b_i) k_i^T dS1 u_i of (Uc dS1^T) o K: formed
-    here from U transposed, they cost this loop 188 B of spills a thread (16 without); moved, with E + E^T stored once
-    by _bwd_wy_kernel, forward + backward took 0.960x the time at (8, 4096, 16, 128) on an H200 (moved alone 1.009x;
-    results/bench_h200/bwd_gate_terms.md)."""
+        _bwd_dqk_kernel's accumulators, which keeps this loop's registers free of spills)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -490,9 +547,7 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dag, emat, co
     dU Vn^T: the output path dA = scale dO U^T, the WY backward dA0, dbeta and the beta chain rule, dg (reverse
     cumsum of this kernel's terms) and deta (final). Writes for _bwd_dqk_kernel dAg = dA o Gamma (causal),
     E + E^T with E = Diag(beta) dA0 (strictly lower) and the per-position coefficient of k in dk. Every operand is
-    requested at the start, before the first product (not one round trip to memory between products): forward +
-    backward 0.988x the time at (8, 4096, 16, 128), 0.993x at the model's heads, 0.987x at (1, 32768) on an H100
-    (`python tools/ab_kernel.py`, results/bench_h100/wy_loads.md)."""
+    requested at the start, before the first product: one round trip to memory, not one between products."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: offsets pass 2**31
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -561,14 +616,8 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     Every transposed operand is a tile loaded from memory (dAg^T is loaded transposed). Also the gate gradient's
     terms that need S0 or dS1, over its key columns, from its accumulators: the rows exp(b) (scale (dO S0^T) o Q
     - (dVn S0^T) o K) - (Uc dS1^T) o K (qdp) and the sum of the last (qdc), which _bwd_dg_kernel adds into dg
-    (rather than from K S0, Q S0 and U transposed in _bwd_cc_kernel's value loop, where they cost registers, and
-    where dVn o (K S0) needed dVn loaded beside the loop's products, synchronously: Triton pipelines only loads that
-    feed a product; results/bench_h200/dvn_rows.md, results/bench_h200/bwd_gate_terms.md). The epilogue's tiles
-    (k, q, dAg both ways, E + E^T) are requested together after the value loop, before its first product, not each
-    just before its product (a memory round trip between products): forward + backward 0.975x the time at (8, 4096,
-    16, 128), 0.985x at the model's heads, 0.978x at (1, 32768, 16, 128) on an H100, 248 registers a thread against
-    246, no spills (`python tools/ab_kernel.py`, results/bench_h100/dqk_epilogue.md). At 32 key columns a program the
-    same had taken 1.010x (139 registers against 111; results/bench_h100/wy_loads.md)."""
+    (not in _bwd_cc_kernel's value loop: registers, and a synchronous load). The epilogue's tiles are requested
+    together after the value loop, before its first product: one memory round trip, not one between products."""
     i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     N = Tp // C
@@ -662,7 +711,6 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
     tl.store(s_out + offs, S, mask=ms)
 
 
-
 # -----------------------------------------------------------------------------
 # launch
 
@@ -677,10 +725,13 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None)
                              "float16 or float32 (use model.kla_chunkwise for float64)")
     if q.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q must be (B, T, H, K) and v (B, T, H, V), got {tuple(q.shape)} and {tuple(v.shape)}")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not q.is_cuda and not interpreted:
         raise ValueError(f"q is on {q.device}: the Triton kernels take CUDA tensors (model.kla_chunkwise runs on any "
                          "device; TRITON_INTERPRET=1 runs the kernels on the CPU, slowly)")
     (B, T, H, K), V = q.shape, v.shape[-1]
+    if H == 0 or K == 0 or V == 0:
+        raise ValueError(f"the heads are empty: H = {H}, K = {K}, V = {V}; each must be at least 1")
     state_name = "state" if step else "initial_state"
     if step and state is None:
         raise ValueError("kla_step needs the state, a float32 tensor of shape (B, H, K, V) (zeros to start)")
@@ -703,16 +754,24 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None)
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number (None: K^-0.5), got {scale!r}")
+    dtypes = {x.dtype for x in (q, k, v)} & {torch.bfloat16, torch.float16}
+    if interpreted and dtypes and not _interpreter_warned[0]:
+        _interpreter_warned[0] = True
+        warnings.warn(f"{min(dtypes, key=str)} inputs under TRITON_INTERPRET=1: Triton's interpreter multiplies bf16 "
+                      "tiles wrongly, so the kernels' results are garbage there (use float32, or model.kla_chunkwise)")
     return layout
 
 
-_layout_cache = [None]  # (cu_seqlens, its version, T, layout) of the last packed call
+_interpreter_warned = [False]  # the interpreter's bf16 warning is given once a process
+
+
+_layout_cache = [None]  # (cu_seqlens's values, device, layout) of the last packed call
 
 
 def _check_cu_seqlens(cu_seqlens, q):
     """The layout of packed sequences (_varlen_layout), or a ValueError naming what is wrong with cu_seqlens (the
-    same checks as model.check_cu_seqlens). Its values are read back to the host once: the layout of the last
-    cu_seqlens is kept while that tensor is not changed in place, so that the layers of a model share one read."""
+    same checks as model.check_cu_seqlens). Its values are read back to the host; the layout of the last values is
+    kept, so that the layers of a model share one copy to the device (keyed on the values, never on the tensor)."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
     if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
@@ -721,12 +780,10 @@ def _check_cu_seqlens(cu_seqlens, q):
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     if q.shape[0] != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
-    keep = not cu_seqlens.is_inference()  # inference tensors have no version counter: not kept
-    key = (cu_seqlens, cu_seqlens._version if keep else None, q.shape[1])
-    cached = _layout_cache[0]
-    if keep and cached is not None and cached[0] is key[0] and cached[1:3] == key[1:]:
-        return cached[3]
     bounds = cu_seqlens.tolist()
+    cached = _layout_cache[0]
+    if cached is not None and cached[0] == bounds and cached[1] == q.device and bounds[-1] == q.shape[1]:
+        return cached[2]
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
     if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
@@ -734,8 +791,7 @@ def _check_cu_seqlens(cu_seqlens, q):
     if bounds[-1] != q.shape[1]:
         raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
     layout = _varlen_layout(bounds, q.device)
-    if keep:
-        _layout_cache[0] = key + (layout,)
+    _layout_cache[0] = (bounds, q.device, layout)
     return layout
 
 
@@ -773,117 +829,9 @@ def _prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def _few_programs(BH, V):
-    """True when the sequential kernels at 32 value columns a program would leave SMs of an H100 / H200 idle
-    (short batches of long sequences): they then take 16 or 32 columns and 3 pipeline stages (_seq_config)."""
-    return BH * triton.cdiv(V, 32) < SMS
-
-
-def _seq_config(BH, V, fp32=False, bwd=False):
-    """(value columns per program, warps, pipeline stages) of the sequential kernels (_fwd_kernel, and
-    _bwd_state_kernel when bwd). Measured on an H200 with `python bench.py --section=tune_seq`: at
-    (1, 32768, 16, 128) 3 stages instead of 2 take the forward from 1.80 to 1.47 ms (4 stages the same, 8 warps
-    slower) and the forward + backward from 6.21 to 6.00 ms; BV 16 against 32 from `--section=tune`. With few
-    programs, 16 columns while the programs fit in one wave over the 132 SMs, else 32: at (2, 32768, 6, 96 / 192)
-    (144 programs at 16, 72 at 32) the forward 1.014 against 1.464 ms, the forward + backward 3.874 against 4.668
-    with the backward state kernel at 32 against 16. With many programs the forward, which computes the output
-    from U itself, takes 64 value columns (0.711 against 0.924 ms at 32 at (8, 4096, 16, 128), `python
-    tools/ab_kernel.py`) and 3 stages: 0.585 against 0.713 ms at 2 stages at (8, 4096, 16, 128), 0.572 against
-    0.703 at the model's heads (32, 2048, 6, 96 / 192), 0.747 against 0.914 at (8, 8192, 6, 96 / 192)
-    (`python bench.py --section=tune_seq --variants=block`, results/bench_h200/tune_seq_blocks.md, its second
-    process). The backward, its loads all pipelined, 64 columns and 3 stages too: forward + backward 0.976-0.984x
-    the time at 32 columns and 2 stages at (16, 2048, 8, 64), (8, 4096, 16, 128), (4, 8192, 16, 128) and the
-    model's heads (`python tools/ab_kernel.py`, results/bench_h200/bwd_state_loads.md)."""
-    if fp32:
-        return 16, 4, 2
-    if _few_programs(BH, V):
-        bv = 16 if BH * triton.cdiv(V, 16) <= SMS else 32
-        return min(bv, max(16, triton.next_power_of_2(V))), 4, 3
-    return min(64, max(16, triton.next_power_of_2(V))), 4, 3
-
-
-def _fwd_fuse_o(BH, V, save, N):
-    """Whether _fwd_kernel computes the output itself, or leaves it to _fwd_o_kernel, which reads the
-    states S0 of the N chunks (fewer bytes a step in the sequential loop). Fused with many programs, and with
-    few when they still fill the GPU at 16 value columns (BH cdiv(V, 16) >= 128, one an SM of an H100 / H200):
-    on an H200 the forward at (1, 32768, 16, 128) took 0.952 ms fused against 1.032 split, at (1, 131072, 16,
-    128) 3.707 against 4.022, forward + backward at (1, 32768, 16, 128) 3.918 against 3.931 (`python bench.py
-    --section=kernel --rows=3f,4f,3b --fuse_o=1`, then `--fuse_o=0`). Split when fewer programs run and the
-    states are saved for the backward anyway or the sequence is long (N >= 256 chunks): the whole model's
-    (6 heads, d_v 192: 72 programs) one-pass prefill of 128K tokens 180.3 ms split against 184.8 fused, 16K 25.0
-    against 25.7 (`python bench.py --section=prefill --lengths=16384,131072 --fuse_o=0`, then `=1`; its 16K-token
-    segments mixed, 0.91-1.02x fused); its states' memory is temporary. Fused otherwise (8192-token prefill
-    segments: no consistent gain measured)."""
-    if not _few_programs(BH, V) or BH * triton.cdiv(V, 16) >= 128:
-        return True
-    return not (save or N >= 256)
-
-
-def _prep_warps(BK, fp32=False):
-    """Warps of _prep_kernel: 1 in bf16, 2 in float32 (not measured). The kernel launched alone on an H200
-    (results/bench_h200/prep.md, one process; `python tools/prep_bench.py --old=FILE` times it against another
-    kernel.py), microseconds, the kernel before this one (16 x 16 blocks of K K^T from four slabs of k: 255 registers
-    and 1.5 KB of spills a thread) at 1 warp against this one at 1 / 2 / 4 warps: 194 against 153 / 238 / 339 at
-    (8, 4096, 16, 128), 148 against 114 / 180 / 250 at the model's heads (32, 2048, 6, 96 / 192). More warps lose:
-    the forward substitution's reductions then cross warps. BK is unused (bench.py's tune_seq section overrides
-    this function with it)."""
-    return 2 if fp32 else 1
-
-
 def _dot_dtype(x):
     """Tensor-core operand type: the input's, with float16 widened to bfloat16 (KLA's 1 / ||k||^2 range)."""
     return tl.float32 if x.dtype == torch.float32 else tl.bfloat16
-
-
-def _pre_config(BK, V, fp32=False):
-    """(value columns per step, warps) of the token-parallel pre-kernels."""
-    return min(16 if fp32 else 64, max(16, triton.next_power_of_2(V))), 4
-
-
-def _bwd_chunk_config(BK, V, fp32=False):
-    """(value columns per step, warps, pipeline stages) of _bwd_cc_kernel, the chunk backward's value loop (bench.py's
-    tune section replaces it by this name). BV = 64 with 4 warps, measured on an H200 (`python bench.py
-    --section=tune`, forward + backward, ms): (8, 4096, 16, 128) 4.52 against 5.90 for BV = 16 with 8 warps
-    (the fewest spills in ptxas: 16 B against 844 B at BV = 64), (1, 32768, 16, 128) 6.15 against 7.52,
-    (16, 2048, 8, 64) 1.12 against 1.53. Fewer, wider steps of the value loop beat the spills. From K = 96 on, 2
-    stages: 3.330 against 3.359 ms at (8, 4096, 16, 128), 3.029 against 3.106 at the model's heads (32, 2048, 6,
-    96 / 192), in one process (`tools/ab_kernel.py`)."""
-    if fp32:
-        return 16, 4, 1
-    return min(64, max(16, triton.next_power_of_2(V))), 4, (2 if BK >= 128 else 1)
-
-
-def _bwd_wy_config(BK, fp32=False):
-    """(warps, pipeline stages) of _bwd_wy_kernel. Forward + backward on an H200 (`python bench.py --section=tune`,
-    ms, 8 warps against 4): 4.23 against 4.01 at the model's heads (32, 2048, 6, 96 / 192), 4.46 against 4.17 at
-    (8, 4096, 16, 128), but 1.13 against 1.44 at (16, 2048, 8, 64). Neither spills at K = 128 (255 registers a
-    thread at 4 warps, 181 at 8; tools/ptxas_report.py): the two programs an SM holds at 4 warps gain more. No loop
-    to pipeline: the stages are Triton's default."""
-    return (4 if fp32 or BK >= 128 else 8), 3
-
-
-def _bwd_dqk_config(BK, V, fp32=False):
-    """(key columns per program, value columns per step, warps, pipeline stages) of _bwd_dqk_kernel. From K = 96
-    (BK 128) on: 64 key columns, 64 value columns, 4 warps, 2 stages (246 registers a thread, two programs an SM):
-    half as many programs a chunk as at 32 key columns read dO, dVn, Uc, dAg and E + E^T. 64 key columns against 32 /
-    32 / 4 / 2, forward + backward on an H200, one process each (`python tools/ab_kernel.py`,
-    results/bench_h200/bwd_gate_terms.md), at 32 value columns and 3 stages: 0.959x the time at (8, 4096, 16, 128),
-    0.998x at the model's heads (32, 2048, 6, 96 / 192), 0.972x at (1, 32768, 16, 128); at 2 stages 0.992x / 1.040x /
-    0.997x, at 16 value columns 1.036x / 1.086x / 1.031x. Then 64 value columns at 2 stages against 32 at 3, on an
-    H100: 0.991x / 0.995x / 0.993x (results/bench_h100/dqk_epilogue.md; 0.990x / 0.991x in
-    results/bench_h100/bwd_current.md, where 4 stages took 1.000x / 0.993x and 8 warps 1.144x / 1.147x). With the
-    earlier kernels, 32 / 32 / 4 / 3 at the model's heads (three programs for d_k 96 instead of two, one half empty)
-    took 0.994x: one configuration is kept for every K from 96. 8 warps were slower before too (`python bench.py
-    --section=tune`: 64 / 32 / 8 / 1 4.23 ms against 3.66 for 32 / 32 / 4 / 2 at the model's heads). At (16, 2048, 8,
-    64) 2 stages were slower (1.46 against 1.13): 64 / 32 / 8 / 1 there. Key 32 / value 64 with 4 warps faulted the
-    GPU at the model's heads (Triton 3.6). One program a chunk walking its key blocks in turn (the gate gradient's
-    sums over them kept in registers, no _bwd_dg_kernel) took 1.086x / 1.209x / 1.081x on an H100 (296 B of spills a
-    thread; at 32 key columns or 8 warps, without spills, 1.090x / 1.120x / 1.080x and 1.131x / 1.136x / 1.118x)."""
-    if fp32:
-        return min(BK, 32), 16, 4, 1
-    if BK >= 128:
-        return 64, 64, 4, 2
-    return min(BK, 64), min(32, max(16, triton.next_power_of_2(V))), 8, 1
 
 
 def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
@@ -903,27 +851,26 @@ def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_fi
     fp32 = q.dtype == torch.float32
     sa = ar if fp32 else torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)  # A in float32
     _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, sa, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
-                             VARLEN=varlen, PREC=prec, num_warps=_prep_warps(BK, fp32))
+                             VARLEN=varlen, PREC=prec, **_config("prep", BK, V, fp32))
     del sa
     o = torch.empty(B, T, H, V, device=dev, dtype=q.dtype)
     ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    fuse_o = _fwd_fuse_o(n_state * H, V, save, N)
+    fuse_o = _config("fuse_o", BK, V, fp32, n_state * H, save, N)["FUSE_O"]
     hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
     w = torch.empty(B * H, Tp, K, device=dev, dtype=sdt)
     u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
     aqk = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
-    BVP, nwp = _pre_config(BK, V, fp32)
+    pre = _config("pre", BK, V, fp32)
     _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, u0, aqk, cr, T, H, Tp, K=K, V=V, C=C, BK=BK,
-                                BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
-    BV, nw, ns = _seq_config(n_state * H, V, fp32)
-    _fwd_kernel[(triton.cdiv(V, BV), n_state * H)](
+                                VARLEN=varlen, PREC=prec, DT=dt, **pre)
+    seq = _config("fwd", BK, V, fp32, n_state * H)
+    _fwd_kernel[(triton.cdiv(V, seq["BV"]), n_state * H)](
         q, k, bl, w, u0, aqk, h0, o, ht, hs, cu, cs, order, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=output_final_state,
-        SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt,
-        num_warps=nw, num_stages=ns)
+        K=K, V=V, C=C, BK=BK, USE_H0=h0 is not None, STORE_HT=output_final_state,
+        SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt, **seq)
     if not fuse_o:
-        _fwd_o_kernel[(N, B * H)](q, bl, w, u0, aqk, hs, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK, BV=BVP,
-                                  VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
+        _fwd_o_kernel[(N, B * H)](q, bl, w, u0, aqk, hs, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+                                  VARLEN=varlen, PREC=prec, DT=dt, **pre)
     return o, ht, bl, beta, ar, hs, aqk if save else None
 
 
@@ -942,14 +889,13 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
     wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
     dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
     fp32 = q.dtype == torch.float32
-    BVP, nwp = _pre_config(BK, V, fp32)
     _bwd_pre_kernel[(N, B * H)](k, do, bl, beta, ar, aqk, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
-                                BV=BVP, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nwp)
-    BV, nw, ns = _seq_config(n_state * H, V, fp32, bwd=True)
-    _bwd_state_kernel[(triton.cdiv(V, BV), n_state * H)](
+                                VARLEN=varlen, PREC=prec, DT=dt, **_config("pre", BK, V, fp32))
+    seq = _config("bwd_state", BK, V, fp32, n_state * H)
+    _bwd_state_kernel[(triton.cdiv(V, seq["BV"]), n_state * H)](
         q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, BV=BV, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen,
-        PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
+        K=K, V=V, C=C, BK=BK, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen,
+        PREC=prec, DT=dt, **seq)
     del wd, dv0
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
@@ -957,28 +903,25 @@ def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, ord
     sdt = hs.dtype
     uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
     dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
-    # dU Vn^T in bf16 like the other C x C buffers: forward + backward 0.990-0.992x the time of float32 on an
-    # H100 (results/bench_h100/dqk_epilogue.md; the float64 checks: results/test_gpu/dqk_epilogue.md)
+    # dU Vn^T in bf16 like the other C x C buffers: faster than float32, within the float64 checks (docs/kernel.md)
     dp = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
     coef = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
     ssc = torch.empty(B * H, N, device=dev, dtype=torch.float32)
-    BVB, nw, ns = _bwd_chunk_config(BK, V, fp32)
     _bwd_cc_kernel[(N, B * H)](
         k, v, do, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, ssc, cr, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, BV=BVB, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
-    nw, ns = _bwd_wy_config(BK, fp32)
+        K=K, V=V, C=C, BK=BK, VARLEN=varlen, PREC=prec, DT=dt, **_config("bwd_cc", BK, V, fp32))
     _bwd_wy_kernel[(N, B * H)](
         k, g, eta, bl, beta, ar, aqk, dovn, dp, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
-        K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw, num_stages=ns)
+        K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, **_config("bwd_wy", BK, V, fp32))
     del dovn, dp
-    BKB, BVB, nw, ns = _bwd_dqk_config(BK, V, fp32)
-    qdp = torch.empty(triton.cdiv(K, BKB), B * H, Tp, device=dev, dtype=torch.float32)
-    qdc = torch.empty(triton.cdiv(K, BKB), B * H, N, device=dev, dtype=torch.float32)
-    _bwd_dqk_kernel[(triton.cdiv(K, BKB), N, B * H)](
+    dqk = _config("bwd_dqk", BK, V, fp32)
+    NKB = triton.cdiv(K, dqk["BKB"])
+    qdp = torch.empty(NKB, B * H, Tp, device=dev, dtype=torch.float32)
+    qdc = torch.empty(NKB, B * H, N, device=dev, dtype=torch.float32)
+    _bwd_dqk_kernel[(NKB, N, B * H)](
         q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, qdc, cr, T, H, Tp, scale,
-        K=K, V=V, C=C, BKB=BKB, BV=BVB, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, num_warps=nw,
-        num_stages=ns)
-    _bwd_dg_kernel[(N, B * H)](qdp, qdc, ssc, g, dg, cr, T, H, Tp, NKB=triton.cdiv(K, BKB), C=C, VARLEN=varlen)
+        K=K, V=V, C=C, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, **dqk)
+    _bwd_dg_kernel[(N, B * H)](qdp, qdc, ssc, g, dg, cr, T, H, Tp, NKB=NKB, C=C, VARLEN=varlen)
     return dq, dk, dv, dg, deta, dh0
 
 
@@ -1007,7 +950,8 @@ def _(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, ka
     B, T, H, K = q.shape
     V, C = v.shape[-1], C_CHUNK
     f32, sdt = torch.float32, torch.float32 if q.dtype == torch.float32 else torch.bfloat16
-    keep_hs = save or not _fwd_fuse_o(n_state * H, V, save, N)
+    fuse_o = _config("fuse_o", _block_k(K), V, q.dtype == torch.float32, n_state * H, save, N)["FUSE_O"]
+    keep_hs = save or not fuse_o
     return (q.new_empty(B, T, H, V),
             q.new_empty(n_state, H, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32),
             q.new_empty(B * H, N * C, dtype=f32), q.new_empty(B * H, N * C, dtype=f32),
@@ -1037,8 +981,7 @@ def _chunk_setup_context(ctx, inputs, output):
     q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, _, kaczmarz, _, N, n_state = inputs
     ctx.save_for_backward(q, k, v, g, eta, *output[2:], cu, cs, order, cr)
     ctx.meta = (scale, eps, kaczmarz, h0 is not None, N, n_state)
-    # no zero gradients made for the outputs kept for the backward, nor for o or the final state left unused: made,
-    # they took the forward + backward at (1, 32768, 16, 128) from 5.28 to 5.46 ms on an H200
+    # no zero gradients made for the outputs kept for the backward, nor for o or the final state left unused (time)
     ctx.mark_non_differentiable(*output[2:])
     ctx.set_materialize_grads(False)
 
@@ -1058,9 +1001,7 @@ _chunk_op.register_autograd(_chunk_grad, setup_context=_chunk_setup_context)
 
 class _ChunkFunction(torch.autograd.Function):
     """The same forward and autograd formula without the operators' dispatch, for eager calls (torch.compile traces
-    the operators). The dispatch is host time, which decides small shapes: forward + backward at (16, 2048, 8, 64)
-    took 1.746 -> 1.021 ms (medians of 3 rounds, which varied by up to 0.6 ms on both sides) on an H200 with the
-    operator against this (`tools/ab_kernel.py`, one process)."""
+    the operators): the dispatch is host time, which decides small shapes."""
     @staticmethod
     def forward(q, *args):
         return _filled(q, _chunk_forward(q, *args))
@@ -1102,22 +1043,23 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out
     tensor to write the new state into, which may be state itself (each program reads its block of the
     state before it writes it). No host synchronisation: capturable in a CUDA graph. Not differentiable."""
     _check(q, k, v, g, eta, state, eps, step=True, scale=scale)
-    q, k, v = _common_dtype(q, k, v)
     B, _, H, K = q.shape
     V = v.shape[-1]
+    if out_state is not None and (not torch.is_tensor(out_state) or out_state.dtype != torch.float32
+                                  or tuple(out_state.shape) != (B, H, K, V) or out_state.device != q.device
+                                  or not out_state.is_contiguous()):
+        got = (f"{out_state.dtype} {tuple(out_state.shape)} on {out_state.device}"
+               f"{'' if out_state.is_contiguous() else ' (strided)'}" if torch.is_tensor(out_state) else type(out_state))
+        raise ValueError(f"out_state must be a contiguous float32 tensor of shape {(B, H, K, V)} on {q.device}, "
+                         f"got {got}")
+    q, k, v = _common_dtype(q, k, v)
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, eta = (x.contiguous() for x in (q, k, v, g, eta))
     state = state.contiguous()
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
-    if out_state is None:
-        new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    elif out_state.shape != (B, H, K, V) or out_state.dtype != torch.float32 or not out_state.is_contiguous():
-        raise ValueError(f"out_state must be a contiguous float32 tensor of shape {(B, H, K, V)}, got "
-                         f"{out_state.dtype} {tuple(out_state.shape)}{'' if out_state.is_contiguous() else ' (strided)'}")
-    else:
-        new_state = out_state
-    BK = _block_k(K)
-    BV = min(32, max(16, triton.next_power_of_2(V)))
-    _step_kernel[(triton.cdiv(V, BV), B * H)](q, k, v, g, eta, state, o, new_state, float(scale), float(eps),
-                                              K=K, V=V, BK=BK, BV=BV, KACZ=bool(kaczmarz), num_warps=4)
+    new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if out_state is None else out_state
+    step = _config("step", _block_k(K), V)
+    _step_kernel[(triton.cdiv(V, step["BV"]), B * H)](q, k, v, g, eta, state, o, new_state, float(scale),
+                                                      float(eps), K=K, V=V, BK=_block_k(K), KACZ=bool(kaczmarz),
+                                                      **step)
     return o, new_state

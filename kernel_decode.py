@@ -28,6 +28,44 @@ import triton.language as tl
 from kernel import _beta, _block_k, _delta_step
 
 # -----------------------------------------------------------------------------
+# launch configurations: one row per (kernel, case) with the reason; _decode_config picks the case from the shape.
+# Chosen inside the whole decoding token (GPT-2 small, CUDA graph), not per call; docs/kernel.md, "Choices".
+
+DECODE_CONFIGS = {
+    # _decode_linear_kernel and _decode_in_proj_kernel (batch 1): BN rows a program, all of K up to 4096 at once
+    ("linear", "N < 264"): dict(BN=16, num_warps=4),  # no GPU-sized model: keeps tiny models fast in the interpreter
+    ("linear", "N >= 8192"): dict(BN=8, num_warps=4),  # lm_head (50304, 768)
+    ("linear", "N >= 4096"): dict(BN=4, num_warps=1),  # the MLP's (4096, 768)
+    ("linear", "N <= 1024, K < 2048"): dict(BN=4, num_warps=8),  # the mixer's output projection (768, 1152)
+    ("linear", "N <= 1024, K >= 2048"): dict(BN=16, num_warps=8),  # the MLP's down projection (768, 2048)
+    ("linear", "K <= 1024"): dict(BN=8, num_warps=1),  # the block's input projection (3472, 768)
+    ("linear", "K > 1024"): dict(BN=2, num_warps=8),  # the sweeps' starting point; no projection of the model
+    # _decode_mixer_kernel (batch > 1): BV value columns a step, at most V's power of two
+    ("mixer", "any"): dict(BV=64, num_warps=4),  # the head's whole state as one tile (16 warps) was slower
+    # _decode_state_kernel (batch 1): BV value columns a program
+    ("state", "any"): dict(BV=16, num_warps=8),  # 72 programs at d_v 192; its share of the output held in registers
+    # _decode_mlp_kernel (batch 1): BF hidden units a program
+    ("mlp", "any"): dict(BF=16, num_warps=8),  # 128 programs at F 2048, each adding its share atomically
+}
+
+
+def _decode_config(name, N=0, K=0, V=0, F=0):
+    """The launch values of DECODE_CONFIGS's row for kernel `name`: a linear layer's N outputs and K inputs (its BK
+    added), a head's V value columns, or the MLP's F hidden units."""
+    case = "any"
+    if name == "linear":
+        case = ("N < 264" if N < 264 else "N >= 8192" if N >= 8192 else "N >= 4096" if N >= 4096 else
+                ("N <= 1024, K < 2048" if K < 2048 else "N <= 1024, K >= 2048") if N <= 1024 else
+                "K <= 1024" if K <= 1024 else "K > 1024")
+    row = dict(DECODE_CONFIGS[name, case])
+    if name == "linear":
+        row["BK"] = min(triton.next_power_of_2(K), 4096)
+    if "BV" in row:
+        row["BV"] = min(row["BV"], max(16, triton.next_power_of_2(V)))
+    return row
+
+
+# -----------------------------------------------------------------------------
 # helpers
 
 
@@ -312,48 +350,6 @@ def _pdl_device(index):
     return triton_has and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _linear_config(N, K):
-    """(rows a program, K block, warps) of the batch-1 decoding projections (_decode_linear_kernel and the
-    mixer's _decode_in_proj_kernel): all of K requested at once up to 4096 columns. The model's blocks take it for
-    their input projection (3472, 768), its head for lm_head (50304, 768); the rows for (768, .) and (4096, 768) serve
-    decode_linear at the shapes of the output projection and the MLP's (measured as such in the sweeps below).
-    Chosen inside the whole decoding token on an H200 (GPT-2 small, CUDA graph; `python tools/decode_config.py
-    --sweep --from=2rows --prompt=64`: each projection's rows 1-16 x warps 1-8 with the others at 2 rows and 4
-    warps, 8 from K = 2048, ms a token against 0.2515 for those): 8 rows and 4 warps for the wide outputs, the
-    MLP's (4096, 768) 0.2407 and lm_head (50304, 768) 0.2407; 8 rows and 8 warps for the model's width as
-    output, the mixer's (768, 1152) 0.2405 and the MLP's (768, 2048) 0.2504; 2 rows and 4 warps kept for the
-    mixer's (3472, 768), where 8 rows took 0.2568. Against 2 rows and 4 warps everywhere (8 from K = 2048) in
-    one process (`python tools/decode_config.py`): 0.229 against 0.251 ms a token (0.911-0.925x in five
-    alternating rounds, GDN 0.912-0.918x). Timed alone with each weight read from HBM (`python bench.py
-    --section=tune_decode`), 2 rows were the fastest at every shape: a call's own time is not what a token of
-    dependent launches waits for. A second sweep from that configuration (`python tools/decode_config.py --sweep
-    --prompt=64`, results/bench_h200/decode_config.md) moved three: the MLP's (4096, 768) to 4 rows and 1 warp,
-    the mixer's (768, 1152) to 4 rows and the MLP's (768, 2048) to 16 rows (8 warps each); together 0.2191-0.2196
-    against 0.2276-0.2282 ms a token in five alternating rounds (0.961-0.964x); lm_head kept (4 rows within 0.6 %).
-    With each block as three kernels (kla_decode_block) the sweep (`python tools/decode_config.py --sweep
-    --prompt=64`, results/bench_h200/decode_block.md) moved the input projection (3472, 768) from 2 rows and 4 warps
-    to 8 rows and 1 warp: 0.2024-0.2034 against 0.2127-0.2133 ms a token in five alternating rounds (0.951-0.955x).
-    Below 264 outputs (no GPU-sized model) 16 rows a program, which keeps the tests' tiny models fast in the
-    interpreter."""
-    BK = min(triton.next_power_of_2(K), 4096)
-    if N < 264:
-        return 16, BK, 4
-    if N >= 8192:
-        return 8, BK, 4
-    if N >= 4096:
-        return 4, BK, 1
-    if N <= 1024:
-        return (4 if K < 2048 else 16), BK, 8
-    return (8, BK, 1) if BK <= 1024 else (2, BK, 8)
-
-
-def _mixer_config(V):
-    """(value columns a step, warps) of the one-kernel mixer (_decode_mixer_kernel, batch > 1): V in blocks of 64
-    with 4 warps. The head's whole state as one tile (16 warps) was slower on an H200, 14.3 against 11.8 us a call
-    at batch 1 and 55 against 21 us at batch 64."""
-    return min(64, max(16, triton.next_power_of_2(V))), 4
-
-
 def _check_cache(conv_q, conv_k, conv_v, state, B, H, K, V, W, dtype):
     """The decoding cache that the kernels update in place: the convolutions' buffers (B, W - 1, channels) in
     the activations' dtype and the state (B, H, K, V) in float32, all contiguous."""
@@ -388,13 +384,12 @@ def kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, 
     out = torch.empty(B, H * V, device=xp.device, dtype=xp.dtype)
     scale = K ** -0.5 if scale is None else scale
     # A_log, dt_bias, eta_bias as they are (a .float() here would be three copy kernels a layer and token)
-    BV, warps = _mixer_config(V)
+    mixer = _decode_config("mixer", V=V)
     _decode_mixer_kernel[(B * H,)](
         xp, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(), w_v.contiguous(), A_log.contiguous(),
         dt_bias.contiguous(), eta_bias.contiguous(), norm_weight.contiguous(), state, out,
         xp.stride(0), float(scale), float(eps), float(norm_eps),
-        H=H, K=K, V=V, W=W, BK=_block_k(K), BV=BV, BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz),
-        num_warps=warps)
+        H=H, K=K, V=V, W=W, BK=_block_k(K), BW=max(2, triton.next_power_of_2(W)), KACZ=bool(kaczmarz), **mixer)
     return out
 
 
@@ -413,31 +408,11 @@ def decode_linear(x, weight, *, norm_weight=None, norm_eps=1e-6):
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
     y = torch.empty(1, N, device=x.device, dtype=weight.dtype)
-    BN, BK, warps = _linear_config(N, K)
-    _decode_linear_kernel[(triton.cdiv(N, BN),)](
+    lin = _decode_config("linear", N=N, K=K)
+    _decode_linear_kernel[(triton.cdiv(N, lin["BN"]),)](
         x, weight, y, x if norm_weight is None else norm_weight, N, K, float(norm_eps),
-        NORM=norm_weight is not None, BN=BN, BK=BK, ONE=K <= BK, num_warps=warps, **_pdl(x))
+        NORM=norm_weight is not None, ONE=K <= lin["BK"], **lin, **_pdl(x))
     return y
-
-
-def _state_config(V):
-    """(value columns a program, warps) of the batch-1 state kernel (_decode_state_kernel): 16 columns, 8 warps (d_v
-    192: 72 programs for the 6 heads). Inside the whole decoding token on an H200 (GPT-2 small, CUDA graph, as
-    `python tools/decode_config.py --sweep` times it; results/bench_h200/decode_block.md), ms a token: 16 / 8
-    0.2102, 32 / 8 0.2118-0.2121, 16 / 4 0.2129, 32 / 4 0.2369, 64 / 8 0.2443 (not profiled: the output projection's
-    share, 768 x the columns of weights, is held in registers from before the wait, more of them a thread at 4 warps
-    or 64 columns); in the sweep of the file's second process 16 / 8 0.2129, 32 / 8 0.2145, 16 / 4 0.2155, 64 / 8 0.2461
-    against 0.2126-0.2128 with every kernel at its default there."""
-    return 16, 8
-
-
-def _mlp_config(F):
-    """(hidden units a program, warps) of the batch-1 MLP kernel (_decode_mlp_kernel): 16 units, 8 warps (F 2048:
-    128 programs, each adding its share of the output into the 768 sums atomically). Inside the whole decoding
-    token on an H200, ms a token: 16 / 8 0.2118-0.2121, 16 / 4 0.2154, 8 / 8 0.2214, 32 / 8 0.2243, 32 / 16 0.2326,
-    8 / 4 0.2355, 4 / 4 0.2624, 64 / 16 0.3069 (results/bench_h200/decode_block.md); in the sweep of the file's second
-    process 16 / 8 0.2122, 16 / 16 0.2127, 32 / 8 0.2287, 8 / 8 0.2313 against 0.2126-0.2128."""
-    return 16, 8
 
 
 def kla_decode_block(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias,
@@ -478,24 +453,24 @@ def kla_decode_block(x, norm1_weight, in_proj_weight, conv_q, conv_k, conv_v, w_
         raise ValueError(f"the convolution weights must share a dtype, got {w_q.dtype}, {w_k.dtype}, {w_v.dtype}")
     _check_cache(conv_q, conv_k, conv_v, state, 1, H, K, V, W, dt)
     N, pdl, dev = in_proj_weight.shape[0], _pdl(x), x.device
-    BN, BK, warps = _linear_config(N, d)
-    if BK < d:
+    lin = _decode_config("linear", N=N, K=d)
+    if lin["BK"] < d:
         raise ValueError(f"kla_decode_block takes a width d <= 4096, got {d}")
     acc = torch.empty(H + 1, d, device=dev, dtype=torch.float32)  # p (H, d), then the block's output
     xc = torch.empty(1, N, device=dev, dtype=dt)
-    _decode_in_proj_kernel[(triton.cdiv(N, BN),)](
+    _decode_in_proj_kernel[(triton.cdiv(N, lin["BN"]),)](
         x, in_proj_weight, norm1_weight, xc, conv_q, conv_k, conv_v, w_q.contiguous(), w_k.contiguous(),
-        w_v.contiguous(), acc, N, d, float(norm_eps), acc.numel(), HK=HK, HV=HV, W=W, BN=BN, BK=BK,
-        BW=max(2, triton.next_power_of_2(W)), BZ=1024, num_warps=warps, **pdl)
-    BV, warps = _state_config(V)
-    ssq = torch.empty(H, triton.cdiv(V, BV), device=dev, dtype=torch.float32)
+        w_v.contiguous(), acc, N, d, float(norm_eps), acc.numel(), HK=HK, HV=HV, W=W,
+        BW=max(2, triton.next_power_of_2(W)), BZ=1024, **lin, **pdl)
+    st = _decode_config("state", V=V)
+    ssq = torch.empty(H, triton.cdiv(V, st["BV"]), device=dev, dtype=torch.float32)
     BD = triton.next_power_of_2(d)
-    _decode_state_kernel[(triton.cdiv(V, BV), H)](
+    _decode_state_kernel[(triton.cdiv(V, st["BV"]), H)](
         xc, A_log, dt_bias, eta_bias, state, ssq, o_norm_weight, o_proj_weight, acc, d,
-        float(K ** -0.5 if scale is None else scale), float(eps), H=H, K=K, V=V, BK=_block_k(K), BV=BV, BD=BD,
-        KACZ=bool(kaczmarz), num_warps=warps, **pdl)
-    BF, warps = _mlp_config(F)
-    _decode_mlp_kernel[(triton.cdiv(F, BF),)](
+        float(K ** -0.5 if scale is None else scale), float(eps), H=H, K=K, V=V, BK=_block_k(K), BD=BD,
+        KACZ=bool(kaczmarz), **st, **pdl)
+    mlp = _decode_config("mlp", F=F)
+    _decode_mlp_kernel[(triton.cdiv(F, mlp["BF"]),)](
         x, acc, ssq, norm2_weight, gate_up_weight, down_weight, acc[H:], d, F, float(norm_eps), float(o_norm_eps),
-        H=H, V=V, NV=ssq.shape[1], BF=BF, BD=BD, num_warps=warps, **pdl)
+        H=H, V=V, NV=ssq.shape[1], BD=BD, **mlp, **pdl)
     return acc[H:]

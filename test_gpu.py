@@ -11,7 +11,7 @@ of 1, each from its own initial state, against the float64 reference run on each
 on packed documents (per-document losses, compiled, packed prompts decoded as one batch).
 --kernels runs the chunk cases alone (not the model's packed documents nor the decoding checks).
 --model runs the fused loss's and the decoding checks alone; --decoding the decoding checks alone.
---paths=alt runs the cases with the other forward path forced (kernel._fwd_fuse_o: the output added inside
+--paths=alt runs the cases with the other forward path forced (kernel.CONFIGS's "fuse_o": the output added inside
 the sequential forward, or afterwards by _fwd_o_kernel from the saved states), which the config picks by shape.
 
 For every case: relative error ||x - ref|| / ||ref|| of the output, the final state and every gradient
@@ -510,18 +510,19 @@ def main():
     lines = ["| B | T | H | K | V | dtype | h0 | kaczmarz | key norms | other | " + " | ".join(cols) + " | ok |",
              "|" + "---|" * (11 + len(cols))] if cases else []
     failures = 0
-    config = kernel._fwd_fuse_o
+    config = dict(kernel.CONFIGS)
     for path, (B, T, H, K, V, dtype, h0, kacz, knorm, opts) in [(p, c) for c in cases for p in paths]:
         t = time.time()
         if path == "alt":
-            kernel._fwd_fuse_o = lambda BH, V, save, N, default=config: not default(BH, V, save, N)
+            kernel.CONFIGS.update({key: dict(FUSE_O=not row["FUSE_O"]) for key, row in config.items()
+                                   if key[0] == "fuse_o"})
         try:
             errs, finite = check_chunk(B, T, H, K, V, dtype, h0, kacz, knorm, device, gen, **opts)
         except Exception as err:  # report and go on with the other cases
             print(f"case {(B, T, H, K, V, dtype, h0, kacz)} raised {type(err).__name__}: {str(err)[:300]}")
             errs, finite = {}, False
         finally:
-            kernel._fwd_fuse_o = config
+            kernel.CONFIGS.update(config)
         opts = dict(opts, path=path) if path != "default" else opts
         tol = TOL[dtype]
         ok = finite and all(e < tol for e in errs.values())

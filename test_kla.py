@@ -931,10 +931,16 @@ def test_kernel_bf16_matches_float64(B, T, H, K, V, use_h0, opts, bf16_interpret
     assert finite and errs and all(e < test_gpu.TOL[torch.bfloat16] for e in errs.values()), errs
 
 
+def set_config_rows(monkeypatch, name, **values):
+    """Every row of kernel.CONFIGS for kernel `name` set to these launch values, whatever the shape."""
+    for key in [key for key in kernel.CONFIGS if key[0] == name]:
+        monkeypatch.setitem(kernel.CONFIGS, key, values)
+
+
 def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     """The forward without autograd with the state's share of the output added after the sequential pass
     (_fwd_o_kernel from the states it then saves; bench.py --fuse_o=0, measured faster for long prefills)."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: False)
+    set_config_rows(monkeypatch, "fuse_o", FUSE_O=False)
     inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     with torch.no_grad():
@@ -947,7 +953,7 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
     """The forward path the config picks for other shapes than these small ones (the output added inside
     the sequential forward even when the states are saved for the backward): output, every gradient, and
     the forward without autograd."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: True)
+    set_config_rows(monkeypatch, "fuse_o", FUSE_O=True)
     inputs = make_inputs(1, 130, 2, 32, 48, norm_range=(-2, 2))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
@@ -962,8 +968,9 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
 @pytest.mark.parametrize("bv,stages", [(16, 2), (32, 3), (64, 3)])
 def test_kernel_value_blocks_match_float64(bv, stages, monkeypatch):
     """Each value block the sequential kernels' config picks in bf16 on a GPU (16 / 32 / 64 columns a program,
-    kernel._seq_config), here in float32 on V = 96 (the last block partly masked at 64), forward and backward."""
-    monkeypatch.setattr(kernel, "_seq_config", lambda BH, V, fp32=False, bwd=False: (bv, 4, stages))
+    kernel.CONFIGS), here in float32 on V = 96 (the last block partly masked at 64), forward and backward."""
+    for name in ("fwd", "bwd_state"):
+        set_config_rows(monkeypatch, name, BV=bv, num_warps=4, num_stages=stages)
     inputs = make_inputs(1, 130, 2, 32, 96, norm_range=(-1, 1))
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
@@ -1029,6 +1036,50 @@ def test_kernel_argument_errors(monkeypatch):
             call()
 
 
+def test_kernel_size_zero_and_out_state_errors():
+    """No heads (H = 0), an empty key or value (K = 0, V = 0) in kla_chunk and kla_step, and an out_state of the
+    wrong type, dtype, shape, device or layout: one ValueError naming the value and what is allowed, before any work
+    (the state given as out_state is left as it was)."""
+    q, k, v, g, eta, h0 = make_inputs(1, 8, 2, 32, 16, dtype=torch.float32)
+    for sl, msg in (((slice(None), slice(None), slice(0, 0)), r"H = 0, K = 32, V = 16; each must be at least 1"),):
+        with pytest.raises(ValueError, match=msg):
+            kernel.kla_chunk(q[sl], k[sl], v[sl], g[sl], eta[sl])
+        with pytest.raises(ValueError, match=msg):
+            kernel.kla_step(*(x[:, :1][sl] for x in (q, k, v, g, eta)), h0[:, :0])
+    with pytest.raises(ValueError, match=r"H = 2, K = 0, V = 16; each must be at least 1"):
+        kernel.kla_chunk(q[..., :0], k[..., :0], v, g, eta)
+    with pytest.raises(ValueError, match=r"H = 2, K = 32, V = 0; each must be at least 1"):
+        kernel.kla_step(*(x[:, :1] for x in (q, k)), v[:, :1, :, :0], g[:, :1], eta[:, :1], h0[..., :0])
+    one = [x[:, :1] for x in (q, k, v, g, eta)]
+    shape = r"must be a contiguous float32 tensor of shape \(1, 2, 32, 16\) on cpu, got "
+    cases = [(h0.numpy(), shape + "<class 'numpy.ndarray'>"), (h0.double(), shape + r"torch.float64"),
+             (h0[:, :1], shape + r"torch.float32 \(1, 1, 32, 16\)"),
+             (torch.empty(1, 2, 32, 16, device="meta"), shape + r"torch.float32 \(1, 2, 32, 16\) on meta"),
+             (h0.transpose(2, 3).contiguous().transpose(2, 3), shape + r".* \(strided\)")]
+    for out, msg in cases:
+        state = h0.clone()
+        with pytest.raises(ValueError, match="out_state " + msg):
+            kernel.kla_step(*one, state, out_state=out)
+        assert torch.equal(state, h0)
+
+
+def test_kernel_warns_once_of_the_interpreters_bf16(monkeypatch):
+    """bf16 or fp16 inputs in Triton's interpreter (whose bf16 products are wrong without the bf16_interpreter
+    fixture): one warning a process, saying so; float32 inputs none."""
+    monkeypatch.setattr(kernel, "_interpreter_warned", [False])
+    q, k, v, g, eta, h0 = make_inputs(1, 1, 2, 16, 16, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernel.kla_step(q, k, v, g, eta, h0)
+        ours = lambda: [str(w.message) for w in caught if "TRITON_INTERPRET" in str(w.message)]  # not numpy's
+        assert not ours()
+        for dt in (torch.bfloat16, torch.float16):
+            kernel.kla_step(q.to(dt), k.to(dt), v.to(dt), g, eta, h0)
+            kernel.kla_chunk(q.to(dt), k.to(dt), v.to(dt), g, eta)
+    assert len(ours()) == 1, ours()
+    assert "torch.bfloat16 inputs" in ours()[0] and "garbage" in ours()[0], ours()
+
+
 def test_kernel_noncontiguous_no_grad_and_scale():
     q, k, v, g, eta, h0 = make_inputs(1, 70, 2, 32, 32, dtype=torch.float32, norm_range=(-1, 1))
     # (B, H, T, D) storage viewed as (B, T, H, D)
@@ -1083,7 +1134,7 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
     """Packed sequences (cu_seqlens) in the kernel against the float64 reference run on each sequence alone:
     output, final states and every gradient (initial states included), both forward paths; and the forward
     without autograd."""
-    monkeypatch.setattr(kernel, "_fwd_fuse_o", lambda BH, V, save, N: fuse_o)
+    set_config_rows(monkeypatch, "fuse_o", FUSE_O=fuse_o)
     inputs, cu = packed_inputs(lens, K=32, V=16)
     ref = outputs_and_grads(separately(kla_recurrent, cu), inputs, use_h0)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], use_h0, cu_seqlens=cu.int())
@@ -1096,7 +1147,7 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
 
 
 def test_kernel_packed_layout_follows_cu_seqlens():
-    """The kernel keeps the layout of the last cu_seqlens: reused for the same tensor (here through
+    """The kernel keeps the layout of the last cu_seqlens's values: reused for the same values (here through
     linear_attention), rebuilt when the tensor is changed in place."""
     inputs, cu = packed_inputs([5, 70, 3], K=32, V=16)
     x = [t.float() for t in inputs[:5]]
@@ -1107,10 +1158,26 @@ def test_kernel_packed_layout_follows_cu_seqlens():
             o2, _ = model.linear_attention(*x, backend="triton", cu_seqlens=cu)
             ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
             assert rel_err(o, ref) < 1e-4 and torch.equal(o, o2)
-    with torch.inference_mode():  # inference tensors have no version counter: their layout is not kept
+    with torch.inference_mode():  # inference tensors (no version counter) the same
         cu_inf = cu.clone()
         o3, _ = kernel.kla_chunk(*x, cu_seqlens=cu_inf)
     assert torch.equal(o3, o)
+
+
+def test_kernel_packed_layout_follows_values_written_without_a_version_bump():
+    """cu_seqlens's values changed where autograd's version counter does not see it (through .data, or a numpy array
+    sharing its memory): the kernel follows the values, as the float64 reference does."""
+    inputs, cu = packed_inputs([30, 40], K=32, V=16)
+    x = [t.float() for t in inputs[:5]]
+    with torch.no_grad():
+        kernel.kla_chunk(*x, cu_seqlens=cu)
+        for write in (lambda: cu.data.__setitem__(1, 50), lambda: cu.numpy().__setitem__(1, 10)):
+            version = cu._version
+            write()
+            assert cu._version == version
+            o, _ = kernel.kla_chunk(*x, cu_seqlens=cu)
+            ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
+            assert rel_err(o, ref) < 1e-4, cu.tolist()
 
 
 
@@ -1222,18 +1289,16 @@ def test_kernels_transpose_no_product_into_a_product(tmp_path):
         assert not any(c and q for _, c, q in ts), (name, ts)
 
 
-def test_prep_kernel_inverse_and_its_bench_tool():
-    """_prep_kernel, launched as tools/prep_bench.py launches it: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1
-    (stored in bf16) against float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
-    try:
-        import prep_bench
-    finally:
-        sys.path.pop(0)
+def test_prep_kernel_inverse():
+    """_prep_kernel launched alone: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1 (stored in bf16) against
+    float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""
     B, T, H, K = 1, 100, 2, 96
     q, k, v, g, eta, _ = make_inputs(B, T, H, K, 8, norm_range=(-1, 1))
-    fn, ar = prep_bench.prep_call(kernel, k.float(), g.float(), eta.float(), B, T, H, K, 1)
-    fn()
+    N, C = triton.cdiv(T, kernel.C_CHUNK), kernel.C_CHUNK
+    bl, beta, sa = torch.empty(B * H, N * C), torch.empty(B * H, N * C), torch.empty(B * H, N * C, C)
+    ar = torch.full((B * H, N * C, C), float("nan"), dtype=torch.bfloat16)
+    kernel._prep_kernel[(N, B * H)](k.float(), g.float(), eta.float(), bl, beta, ar, sa, None, T, H, N * C, 1e-6, K=K,
+                                    C=C, BK=kernel._block_k(K), KACZ=True, VARLEN=False, PREC="tf32", num_warps=1)
     kd, beta = k.double(), eta.double() / (k.double().pow(2).sum(-1) + 1e-6)
     for h in range(H):
         for n in range(2):
@@ -1361,7 +1426,7 @@ def test_fused_decode_step_is_one_graph():
 def test_decode_linear_against_float64(N, K, norm):
     """kernel_decode.decode_linear (batch-1 decoding's head, with its RMSNorm) against the same in float64;
     K = 5000 walks K in two blocks; (300, 24), (300, 2100), (2001, 24), (4102, 24) and (8203, 24) take
-    _linear_config's 4, 16, 8, 4 and 8 rows a program (the last program of 2001, 4102 and 8203 partly past
+    kernel_decode.DECODE_CONFIGS's 4, 16, 8, 4 and 8 rows a program (the last program of 2001, 4102 and 8203 partly past
     the end)."""
     torch.manual_seed(0)
     x, w, nw = torch.randn(1, K), torch.randn(N, K) / K ** 0.5, torch.rand(K) + 0.5
@@ -1624,7 +1689,7 @@ def test_gpu_script_smoke():
 def test_bench_smoke(tmp_path):
     """bench.py --smoke: every section a GPU run uses, at toy sizes on the CPU (the kernel in Triton's
     interpreter), writes its table; --fuse_o=0 forces the kernel's other forward path."""
-    sections = "kernel,varlen,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile,tune_decode"
+    sections = "kernel,varlen,decode,train,prefill,generate,train_profile,prefill_profile,decode_profile"
     p = run("bench.py", "--smoke", f"--section={sections}", "--compile=0", "--fuse_o=0", f"--out={tmp_path}",
             timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -1634,6 +1699,71 @@ def test_bench_smoke(tmp_path):
         assert sec["rows"] and all(len(r) == len(sec["head"]) for r in sec["rows"]), name
         assert not any(isinstance(x, str) and x.endswith("Error") for r in sec["rows"] for x in r), name
     assert (tmp_path / "bench.md").read_text().count("### ") == len(sections.split(","))
+
+
+def test_tune_tool_times_variants_from_overridden_table_rows(tmp_path):
+    """tools/tune.py --smoke: decode_linear's variants and the backward's, in Triton's interpreter, each variant
+    launched from the table rows it overrides (kernel.CONFIGS, kernel_decode.DECODE_CONFIGS), restored after it."""
+    p = run(os.path.join("tools", "tune.py"), "--smoke", "--section=tune_decode,tune", "--variants=wy warps=8",
+            f"--out={tmp_path}", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    text = (tmp_path / "tune.md").read_text()
+    assert text.count("### ") == 2 and "| decode_linear BN=16 warps=4 |" in text and "| wy warps=8 |" in text, text
+    assert "Error" not in text and "| dq/dk BKB=32" not in text, text
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import tune
+    finally:
+        sys.path.pop(0)
+    tables = [dict(kernel.CONFIGS), dict(kernel_decode.DECODE_CONFIGS)]
+    restore = tune.overridden({**tune.rows("bwd_wy", num_warps=2, num_stages=1),
+                               **tune.rows("linear", kernel_decode.DECODE_CONFIGS, BN=32, num_warps=2)})
+    try:
+        for BK, fp32 in ((16, False), (128, False), (32, True)):
+            assert kernel._config("bwd_wy", BK, 64, fp32) == dict(num_warps=2, num_stages=1)
+        assert kernel._config("bwd_cc", 128, 64) == tables[0]["bwd_cc", "K >= 96"]
+        assert kernel_decode._decode_config("linear", N=50304, K=768) == dict(BN=32, num_warps=2, BK=1024)
+    finally:
+        restore()
+    assert [kernel.CONFIGS, kernel_decode.DECODE_CONFIGS] == tables
+    assert_each_is_one_line(os.path.join("tools", "tune.py"), [
+        ("--secton=tune", "error: unknown argument '--secton=tune'; tools/tune.py takes --smoke and"),
+        ("--section=kernel", "error: --section=kernel: choose from tune, tune_seq, tune_decode")])
+
+
+def test_train_memory_tool_on_the_cpu(tmp_path):
+    """tools/train_memory.py on a tiny model on the CPU: the saved activations by module and one summary row a mixer,
+    written to --out."""
+    p = run(os.path.join("tools", "train_memory.py"), "--device=cpu", "--dtype=float32", "--batch_size=1",
+            "--block_size=16", "--n_layer=1", "--n_head=2", "--n_embd=32", "--vocab_size=64", "--backend=chunkwise",
+            "--mixers=kla,attn", f"--out={tmp_path / 'memory.md'}", timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    text = (tmp_path / "memory.md").read_text()
+    for mixer in ("kla", "attn"):
+        row = re.search(rf"^\| {mixer} \| eager \| ([\d,]+) \|", text, re.M)
+        assert row and int(row.group(1).replace(",", "")) > 0, text
+    assert "| mlp.down |" in text, text
+
+
+def test_loss_bench_tool_checks_its_flags_and_compares_the_losses():
+    """tools/loss_bench.py: a bad --chunks and a machine without a GPU are one line each, before any work; its two
+    losses (logits, then the fused loss at a small chunk) agree in value and gradients on the CPU."""
+    tool = os.path.join("tools", "loss_bench.py")
+    p = run(tool, "--chunks=5")
+    assert_clean_error(p, "--chunks=5: must be exponents N of 2^N logits a chunk")
+    if not torch.cuda.is_available():
+        assert_clean_error(run(tool), "found none")
+    code = ("import sys, torch; sys.argv = ['loss_bench.py']; sys.path.insert(0, 'tools'); import loss_bench as b; "
+            "b.kla_model.LOSS_CHUNK = 2 ** 10; torch.manual_seed(0); t = torch.randint(0, 300, (64,)); t[::7] = -1; "
+            "out = []\n"
+            "for fn in (b.plain, b.fused):\n"
+            "    x, w = torch.randn(64, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)\n"
+            "    torch.manual_seed(1); x.data.normal_(); w.data.normal_(); loss = fn(x, w, t); loss.backward()\n"
+            "    out.append((loss.detach(), x.grad, w.grad))\n"
+            "print(max((a - c).abs().max().item() for a, c in zip(*out)))")
+    p = run("-c", code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert float(p.stdout.split()[-1]) < 1e-5, p.stdout
 
 
 def test_bench_kernel_rows_in_the_order_given(tmp_path):

@@ -83,6 +83,13 @@ SEQ_FWD = dict(USE_H0=True, STORE_HT=True, SAVE_H=True, FUSE_O=True, VARLEN=Fals
 SEQ_BWD = dict(USE_DHT=True, STORE_DH0=True, VARLEN=False)  # _bwd_state_kernel
 
 
+def chosen(name, BK, V, fp32=False, BH=0):
+    """kernel.CONFIGS's row for kernel `name` at this shape: (its constexprs, warps, stages; 3, Triton's default,
+    where the row has none)."""
+    c = kernel._config(name, BK, V, fp32, BH)
+    return {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}, c["num_warps"], c.get("num_stages", 3)
+
+
 def configs(K, fp32=False):
     """(label, kernel, constexprs, warps, stages): the chosen configuration of every token-parallel backward kernel
     first (marked *), then alternatives; with fp32 only the chosen ones, and the sequential kernels'; head size
@@ -91,17 +98,14 @@ def configs(K, fp32=False):
     base = dict(K=K, V=K, C=64, BK=BK, KACZ=True, PREC="ieee" if fp32 else "tf32",
                 DT=tl.float32 if fp32 else tl.bfloat16)
     out = []
-    bv, nw, ns = kernel._bwd_chunk_config(BK, K, fp32)
-    out.append((f"* _bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw, ns))
-    nw, ns = kernel._bwd_wy_config(BK, fp32)
-    out.append((f"* _bwd_wy_kernel K=V={K}", kernel._bwd_wy_kernel, base, nw, ns))
-    bkb, bv, nw, ns = kernel._bwd_dqk_config(BK, K, fp32)
-    out.append((f"* _bwd_dqk_kernel K=V={K}", kernel._bwd_dqk_kernel, dict(base, BKB=bkb, BV=bv), nw, ns))
+    for name, fn in (("bwd_cc", kernel._bwd_cc_kernel), ("bwd_wy", kernel._bwd_wy_kernel),
+                     ("bwd_dqk", kernel._bwd_dqk_kernel)):
+        cx, nw, ns = chosen(name, BK, K, fp32)
+        out.append((f"* {fn.__name__} K=V={K}", fn, dict(base, **cx), nw, ns))
     if fp32:  # and the sequential kernels, whose float32 configuration does not depend on the shape
-        bv, nw, ns = kernel._seq_config(1, K, fp32=True)
-        out.append((f"* _fwd_kernel K=V={K}", kernel._fwd_kernel, dict(base, BV=bv, **SEQ_FWD), nw, ns))
-        bv, nw, ns = kernel._seq_config(1, K, fp32=True, bwd=True)
-        out.append((f"* _bwd_state_kernel K=V={K}", kernel._bwd_state_kernel, dict(base, BV=bv, **SEQ_BWD), nw, ns))
+        for name, fn, extra in (("fwd", kernel._fwd_kernel, SEQ_FWD), ("bwd_state", kernel._bwd_state_kernel, SEQ_BWD)):
+            cx, nw, ns = chosen(name, BK, K, True, 1)
+            out.append((f"* {fn.__name__} K=V={K}", fn, dict(base, **cx, **extra), nw, ns))
         return out
     for bv, nw in ((16, 4), (32, 8), (64, 8)):
         out.append((f"_bwd_cc_kernel K=V={K}", kernel._bwd_cc_kernel, dict(base, BV=bv), nw, 1))
@@ -114,13 +118,14 @@ def configs(K, fp32=False):
 
 def sequential_configs():
     """(label, kernel, constexprs, warps, stages): _fwd_kernel (output inside, chunk states saved) and
-    _bwd_state_kernel, bf16, K = V = 128, at the configurations kernel._seq_config gives 16 heads at batch 1 and
+    _bwd_state_kernel, bf16, K = V = 128, at the configurations kernel.CONFIGS gives 16 heads at batch 1 and
     128 sequence-heads."""
     base = dict(K=128, V=128, C=64, BK=128, PREC="tf32", DT=tl.bfloat16)
     out = []
     for BH, who in ((16, "16 heads at batch 1"), (128, "128 sequence-heads")):
-        for fn, extra, is_bwd in ((kernel._fwd_kernel, SEQ_FWD, False), (kernel._bwd_state_kernel, SEQ_BWD, True)):
-            BV, nw, ns = kernel._seq_config(BH, 128, bwd=is_bwd)
+        for fn, extra, name in ((kernel._fwd_kernel, SEQ_FWD, "fwd"), (kernel._bwd_state_kernel, SEQ_BWD, "bwd_state")):
+            cx, nw, ns = chosen(name, 128, 128, False, BH)
+            BV = cx["BV"]
             out.append((f"{fn.__name__}, {who} (BV {BV}, {nw} warps, {ns} stages)", fn, dict(base, BV=BV, **extra),
                         nw, ns))
     return out
@@ -161,9 +166,9 @@ def chunk_kernels():
     """(kernel, constexprs, warps, stages): every kernel of the chunkwise forward and backward at its configuration,
     bf16, K = V = 128 (the sequential ones for 16 heads at batch 1 and for 128 sequence-heads)."""
     base = dict(K=128, V=128, C=64, BK=128, KACZ=True, VARLEN=False, PREC="tf32", DT=tl.bfloat16)
-    BVP, nwp = kernel._pre_config(128, 128)
-    items = [(kernel._prep_kernel, base, kernel._prep_warps(128), 3)]
-    items += [(fn, dict(base, BV=BVP), nwp, 3)
+    pre, nwp, _ = chosen("pre", 128, 128)
+    items = [(kernel._prep_kernel, base, chosen("prep", 128, 128)[1], 3)]
+    items += [(fn, dict(base, **pre), nwp, 3)
               for fn in (kernel._fwd_pre_kernel, kernel._fwd_o_kernel, kernel._bwd_pre_kernel)]
     items += [(fn, cx, nw, ns) for _, fn, cx, nw, ns in configs(128)[:3] + sequential_configs()]
     return [(fn, {k: v for k, v in cx.items() if k in fn.arg_names}, nw, ns) for fn, cx, nw, ns in items]
