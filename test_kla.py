@@ -382,7 +382,7 @@ def separately(fn, cu):
     return run
 
 
-@pytest.mark.parametrize("use_h0", [True, False])
+@pytest.mark.parametrize("use_h0", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_references_packed_equal_separate(use_h0):
     """cu_seqlens in both references: the same outputs, final states and gradients (initial states included)
     as each sequence run alone, in float64; int64 and int32 cu_seqlens."""
@@ -450,6 +450,7 @@ def tiny_config(mixer, **kw):
                                chunk_size=16), **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
 def test_dropout_only_in_training(mixer):
     """dropout acts in training mode only: in eval mode the model equals the same weights without dropout, and
@@ -467,6 +468,7 @@ def test_dropout_only_in_training(mixer):
         GPTConfig(dropout=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
 def test_recompute_same_gradients_less_memory(mixer):
     """recompute=True: the same loss and gradients (dropout included: the recomputed branch draws the same mask),
@@ -489,7 +491,7 @@ def test_recompute_same_gradients_less_memory(mixer):
     assert kept[1] < 0.8 * kept[0], kept  # the mixer branches keep only their inputs
 
 
-@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+@pytest.mark.parametrize("mixer", ["kla", "gdn", pytest.param("attn", marks=pytest.mark.slow)])
 def test_generation_matches_full_forward(mixer):
     """Prefill, a few tokens at once, then one token at a time from the carried state gives the full
     forward's logits (attention: past its first buffer of prompt + 256 keys, so that the cache grows)."""
@@ -509,7 +511,8 @@ def test_generation_matches_full_forward(mixer):
         assert cache[0]["k_conv"].shape[1] == m.config.conv_size - 1
 
 
-@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+@pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow),
+                                   pytest.param("attn", marks=pytest.mark.slow)])
 def test_greedy_generate_matches_argmax_of_forward(mixer):
     torch.manual_seed(1)
     m = GPT(tiny_config(mixer)).eval()
@@ -522,6 +525,7 @@ def test_greedy_generate_matches_argmax_of_forward(mixer):
             assert torch.equal(logits[:, -1].argmax(-1), out[:, t])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer", ["kla", "gdn"])
 def test_prefill_in_segments(mixer):
     """stream reads a long prompt in segments with the state carried: the same tokens as one pass, and
@@ -540,6 +544,7 @@ def test_prefill_in_segments(mixer):
     assert rel_err(c2[1]["state"], c1[1]["state"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_prefill_segments_from_one_graph():
     """prefill with cuda_graph: the full segments after the first through decode_step's in-place step for a
     segment (a CUDA graph on CUDA, run directly here), kept on the model and used again for the next prompt: the
@@ -555,7 +560,7 @@ def test_prefill_segments_from_one_graph():
     assert len(m.segment_graphs) == 1
 
 
-@pytest.mark.parametrize("mixer", ["kla", "gdn"])
+@pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow)])
 def test_in_place_decoding_step(mixer):
     """The decoding step behind cuda_graph=True (state buffers updated in place; captured on CUDA, run
     directly here) samples the same tokens as the plain step; attention's growing cache is refused."""
@@ -569,6 +574,7 @@ def test_in_place_decoding_step(mixer):
         list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
     """decode_step(greedy=True) (what stream takes at temperature 0; on CUDA the argmax inside the captured graph)
@@ -593,6 +599,7 @@ def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
     assert sampled.shape == (3, 20) and not torch.equal(sampled, torch.cat(list(m.stream(prompt, 20, temperature=0)), 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("gdn", "chunkwise"), ("kla", "recurrent"),
                                            ("kla", "triton")])
 def test_packed_prompts_decode_as_each_alone(mixer, backend):
@@ -640,6 +647,7 @@ except RuntimeError as err:
 """
 
 
+@pytest.mark.slow
 def test_pytorch_fallback_only_without_triton(tmp_path):
     """model.py falls back to PyTorch (with a warning) only when Triton is not installed; an error inside
     kernel.py is raised by import model, not hidden behind the slow path."""
@@ -690,6 +698,7 @@ def output_and_grads(module, y, x=None):
     return [y.detach(), *torch.autograd.grad(loss, wrt)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("kla", "recurrent"), ("gdn", "chunkwise"),
                                            ("gdn", "recurrent"), ("attn", "chunkwise")])
 def test_layer_on_packed_documents_equals_each_alone(mixer, backend):
@@ -707,6 +716,7 @@ def test_layer_on_packed_documents_equals_each_alone(mixer, backend):
     assert rel_err(layer(x), alone[0]) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("kla", "recurrent"), ("gdn", "chunkwise"),
                                            ("attn", "chunkwise")])
 def test_model_on_packed_documents_equals_each_alone(mixer, backend):
@@ -727,6 +737,7 @@ def test_model_on_packed_documents_equals_each_alone(mixer, backend):
         assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow
 def test_flex_attention_document_mask():
     """The block mask of the CUDA path (FlexAttention, eager here, forward only: it has no CPU backward):
     causal attention within each document, as SDPA on each document alone."""
@@ -742,6 +753,7 @@ def test_flex_attention_document_mask():
     assert rel_err(y.transpose(1, 2), ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_doc_seqlens_and_its_errors():
     """doc_seqlens: a document starts at every row and after every end-of-text token (9 here), one start where
     both fall together; the model refuses cu_seqlens with a cache that holds a state (or with attention's), or
@@ -816,7 +828,8 @@ def test_flops_and_mfu():
     assert m.flops_per_token(2048) == m.flops_per_token(4096)
 
 
-@pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
+@pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow),
+                                   pytest.param("attn", marks=pytest.mark.slow)])
 def test_model_trains(mixer):
     """A few steps on a repeated pattern lower the loss, and every parameter gets a gradient."""
     torch.manual_seed(0)
@@ -841,11 +854,13 @@ KERNEL_CASES = [  # (B, T, H, K, V, initial state, kaczmarz, log10 of the key no
     (1, 1, 2, 32, 32, True, True, (-2, 2)),
     (1, 1, 1, 32, 16, False, True, (-0.3, 0.3)),
     (2, 50, 2, 32, 32, True, True, (-2, 2)),
-    (1, 64, 1, 64, 32, False, True, (-2, 2)),
-    (1, 130, 2, 48, 40, True, True, (-1, 1)),
-    (1, 100, 1, 32, 64, True, False, (0, 0)),
-    (1, 200, 1, 16, 16, False, False, (-0.5, 0)),
-    (1, 70, 1, 96, 32, True, True, (-1, 1)),  # d_k 96 (the model's): the key block padded to 128
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [  # longer sequences, more blocks: slow in the interpreter
+        (1, 64, 1, 64, 32, False, True, (-2, 2)),
+        (1, 130, 2, 48, 40, True, True, (-1, 1)),
+        (1, 100, 1, 32, 64, True, False, (0, 0)),
+        (1, 200, 1, 16, 16, False, False, (-0.5, 0)),
+        (1, 70, 1, 96, 32, True, True, (-1, 1)),  # d_k 96 (the model's): the key block padded to 128
+    ]),
 ]
 
 
@@ -921,6 +936,7 @@ BF16_CASES = [  # (B, T, H, K, V, initial state, test_gpu.check_chunk's options)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T,H,K,V,use_h0,opts", BF16_CASES)
 def test_kernel_bf16_matches_float64(B, T, H, K, V, use_h0, opts, bf16_interpreter):
     """bf16 inputs, as test_gpu.py checks them on the GPU (its check_chunk: the reference gets the same rounded
@@ -937,6 +953,7 @@ def set_config_rows(monkeypatch, name, **values):
         monkeypatch.setitem(kernel.CONFIGS, key, values)
 
 
+@pytest.mark.slow
 def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     """The forward without autograd with the state's share of the output added after the sequential pass
     (_fwd_o_kernel from the states it then saves; bench.py --fuse_o=0, measured faster for long prefills)."""
@@ -949,6 +966,7 @@ def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
 
 
+@pytest.mark.slow
 def test_kernel_other_forward_path_matches_float64(monkeypatch):
     """The forward path the config picks for other shapes than these small ones (the output added inside
     the sequential forward even when the states are saved for the backward): output, every gradient, and
@@ -965,6 +983,7 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
     assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bv,stages", [(16, 2), (32, 3), (64, 3)])
 def test_kernel_value_blocks_match_float64(bv, stages, monkeypatch):
     """Each value block the sequential kernels' config picks in bf16 on a GPU (16 / 32 / 64 columns a program,
@@ -978,6 +997,7 @@ def test_kernel_value_blocks_match_float64(bv, stages, monkeypatch):
         assert rel_err(a, b) < 1e-4, name
 
 
+@pytest.mark.slow
 def test_kernel_edge_values():
     """eps = 0 with zero keys (no write, as the reference), eta at 0 and 1, g = 0: finite and equal to
     the float64 reference, output and every gradient; the decode step too."""
@@ -992,6 +1012,7 @@ def test_kernel_edge_values():
     assert torch.isfinite(o).all() and rel_err(h1, g[:, 5].exp()[..., None, None] * h0) < 1e-6
 
 
+@pytest.mark.slow
 def test_kernel_full_forgetting_and_strong_gates():
     """g = -inf at the first token, the last of a chunk with the first two of the next, and the end; and gates
     of -1e4 beside -0.01: the kernel agrees with the float64 recurrence, output and every gradient, dg 0 at
@@ -1080,6 +1101,7 @@ def test_kernel_warns_once_of_the_interpreters_bf16(monkeypatch):
     assert "torch.bfloat16 inputs" in ours()[0] and "garbage" in ours()[0], ours()
 
 
+@pytest.mark.slow
 def test_kernel_noncontiguous_no_grad_and_scale():
     q, k, v, g, eta, h0 = make_inputs(1, 70, 2, 32, 32, dtype=torch.float32, norm_range=(-1, 1))
     # (B, H, T, D) storage viewed as (B, T, H, D)
@@ -1126,6 +1148,7 @@ def test_kernel_errors_name_the_tensor():
         kernel.kla_step(q, k, v, g, eta, h0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lens,use_h0,fuse_o", [
     (SEQ_LENS, True, False),
     ([3, 5, 1, 2, 50, 70], False, True),  # several sequences inside one chunk's worth of tokens
@@ -1146,6 +1169,7 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
     assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
 
 
+@pytest.mark.slow
 def test_kernel_packed_layout_follows_cu_seqlens():
     """The kernel keeps the layout of the last cu_seqlens's values: reused for the same values (here through
     linear_attention), rebuilt when the tensor is changed in place."""
@@ -1181,6 +1205,7 @@ def test_kernel_packed_layout_follows_values_written_without_a_version_bump():
 
 
 
+@pytest.mark.slow
 def test_kernel_operator_registration():
     """kla::chunk and its backward are PyTorch operators: torch.library.opcheck tests their schema, fake
     (shape-only) versions and autograd formula against running them, dense and packed."""
@@ -1194,6 +1219,7 @@ def test_kernel_operator_registration():
                                                  *args[1]))
 
 
+@pytest.mark.slow
 def test_kernel_eager_path_matches_the_operator():
     """kla_chunk outside torch.compile runs the kernels through an autograd.Function, under torch.compile through the
     kla::chunk operator and its autograd formula: the same output, final state and gradients."""
@@ -1205,6 +1231,7 @@ def test_kernel_eager_path_matches_the_operator():
         assert torch.equal(x, y), name
 
 
+@pytest.mark.slow
 def test_kernel_ab_tool_loads_another_version():
     """tools/ab_kernel.py loads another kernel.py beside this one (its operators as kla_ab::): here kernel.py
     itself, which must then give the same output and gradients as the imported module."""
@@ -1227,6 +1254,7 @@ def test_kernel_ab_tool_loads_another_version():
     assert ab_kernel.difference(other, kernel, inputs[:5], True) > 1e-2
 
 
+@pytest.mark.slow
 def test_kernels_load_each_step_ahead():
     """The kernels compiled for sm_90 (tools/ptxas_report.py, without the interpreter) issue every tile a loop's step
     loads stages ahead (cp.async): Triton pipelines a loop's load only when it feeds a product's operand, so a tile
@@ -1268,6 +1296,7 @@ def control_split(x, y, C: tl.constexpr):
 """
 
 
+@pytest.mark.slow
 def test_kernels_transpose_no_product_into_a_product(tmp_path):
     """No chunk kernel feeds a product the transpose of a matrix computed from a product, which Triton 3.4 to
     3.7.0 miscompile on Hopper (fla #640): every tt.trans in their Triton IR for sm_90 (tools/ptxas_report.py,
@@ -1289,6 +1318,7 @@ def test_kernels_transpose_no_product_into_a_product(tmp_path):
         assert not any(c and q for _, c, q in ts), (name, ts)
 
 
+@pytest.mark.slow
 def test_prep_kernel_inverse():
     """_prep_kernel launched alone: each chunk's Ar = (I + StrictTril(Diag(beta) K K^T))^-1 (stored in bf16) against
     float64, with raw keys of norms 0.1..10 and T not a multiple of the chunk."""
@@ -1309,6 +1339,7 @@ def test_prep_kernel_inverse():
             assert rel_err(got, want) < 1e-2 and torch.all(ar[h, n * 64:n * 64 + len(kc), len(kc):] == 0)
 
 
+@pytest.mark.slow
 def test_kernel_gradient_through_one_output_alone():
     """A loss on the final state alone, or on o alone with the final state returned: the kernel's gradients equal
     the float64 reference's (the unused output's gradient is left out, not made of zeros)."""
@@ -1323,6 +1354,7 @@ def test_kernel_gradient_through_one_output_alone():
         assert all(torch.equal(a, b) if not b.any() else rel_err(a, b) < 1e-4 for a, b in zip(grads[1], grads[0]))
 
 
+@pytest.mark.slow
 def test_model_compiles_to_one_graph_with_the_kernel():
     """With the kernel as an operator the whole model compiles to one graph (fullgraph=True: no break at the
     mixers), with the eager model's loss and gradients."""
@@ -1336,6 +1368,7 @@ def test_model_compiles_to_one_graph_with_the_kernel():
     assert abs(loss_c.item() - loss.item()) < 1e-6
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(grads, ref))
 
+@pytest.mark.slow
 def test_model_on_the_kernel_matches_the_reference_path():
     """The whole model with backend='triton' (here in the interpreter): logits, gradients, and generation
     through the kernel's decoding step."""
@@ -1355,6 +1388,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
     assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer,batch,size", [("kla", 2, {}), ("gdn", 2, {}), ("kla", 1, {}), ("gdn", 1, {}),
                                               ("kla", 2, dict(n_embd=128, n_head=1, expand_k=1.0, expand_v=4.0)),
                                               ("kla", 1, dict(conv_size=3, expand_v=4.0))])
@@ -1395,6 +1429,7 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
+@pytest.mark.slow
 def test_fused_decode_step_is_one_graph():
     """At batch > 1 a decoding step through the fused mixer kernel (the kla::decode_mixer operator, which updates the
     cache in place) traces as one torch.compile graph holding every layer's mixer (a torch.compiler.disable'd
@@ -1421,7 +1456,8 @@ def test_fused_decode_step_is_one_graph():
             assert rel_err(a[key], b[key]) < 1e-6, key
 
 
-@pytest.mark.parametrize("N,K", [(40, 24), (7, 5000), (300, 24), (300, 2100), (2001, 24), (4102, 24), (8203, 24)])
+@pytest.mark.parametrize("N,K", [(40, 24), *(pytest.param(*nk, marks=pytest.mark.slow) for nk in [
+    (7, 5000), (300, 24), (300, 2100), (2001, 24), (4102, 24), (8203, 24)])])
 @pytest.mark.parametrize("norm", [False, True])
 def test_decode_linear_against_float64(N, K, norm):
     """kernel_decode.decode_linear (batch-1 decoding's head, with its RMSNorm) against the same in float64;
@@ -1438,6 +1474,7 @@ def test_decode_linear_against_float64(N, K, norm):
     assert rel_err(y, h @ w.double().T) < 1e-6
 
 
+@pytest.mark.slow
 def test_decode_linear_takes_a_float32_input_for_bf16_weights():
     """The head of batch-1 decoding: the float32 residual stream of kla_decode_block into bf16 weights; the normalised
     input rounded to bf16 before the product, as the unfused path rounds it; the output in the weights' dtype."""
@@ -1670,6 +1707,7 @@ def test_recall_examples_follow_the_protocol():
     assert np.array_equal(x, x2) and np.array_equal(y, y2) and len(pos) > 150
 
 
+@pytest.mark.slow
 def test_prepare_synthetic_n_train(tmp_path):
     """--n_train sets the number of training examples (the authors' 20,000 otherwise) and is recorded."""
     p = run("prepare_data.py", "--dataset=mqar_small", f"--data_dir={tmp_path}", "--n_train=100")
@@ -1679,6 +1717,7 @@ def test_prepare_synthetic_n_train(tmp_path):
     assert os.path.getsize(d / "train.bin") == 100 * 128 * 2 and os.path.getsize(d / "val.bin") == 2000 * 128 * 2
 
 
+@pytest.mark.slow
 def test_gpu_script_smoke():
     """test_gpu.py --smoke: the GPU correctness script itself (chunk kernel, decoding step, fused decoding
     kernel, whole-model decoding against float64) on tiny cases in Triton's interpreter."""
@@ -1686,6 +1725,7 @@ def test_gpu_script_smoke():
     assert p.returncode == 0 and "all passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_bench_smoke(tmp_path):
     """bench.py --smoke: every section a GPU run uses, at toy sizes on the CPU (the kernel in Triton's
     interpreter), writes its table; --fuse_o=0 forces the kernel's other forward path."""
@@ -1766,6 +1806,7 @@ def test_loss_bench_tool_checks_its_flags_and_compares_the_losses():
     assert float(p.stdout.split()[-1]) < 1e-5, p.stdout
 
 
+@pytest.mark.slow
 def test_bench_kernel_rows_in_the_order_given(tmp_path):
     """bench.py --rows picks the kernel section's rows and runs them in the order given; a name that matches no
     row is refused in one line before anything is timed."""
@@ -1787,6 +1828,7 @@ def test_experiments_summary_gives_no_spread_for_one_seed():
     assert "| kla | 2 | 2.50 ± 0.71 |" in p.stdout and "| attn | 1 | 2.50 |" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 def test_experiments_summary_keeps_the_lengths_every_seed_has():
     """Seeds evaluated at different lengths (one at 1, 2, 4, another at 1, 4) are summarised at the lengths all of
     them have, each value in its own column."""
@@ -1799,6 +1841,7 @@ def test_experiments_summary_keeps_the_lengths_every_seed_has():
     assert "| kla | 2 | 2.50 ± 0.71 | 1.50 ± 0.71 |" in p.stdout and "| gdn | 1 | 2.50 | 1.50 |" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 def test_experiments_summary_pairs_kla_and_gdn_seed_by_seed():
     """With KLA and GDN run on the same seeds, the summary adds their difference seed by seed: its mean, sample std
     and how many seeds KLA leads in (higher accuracy; for a loss, lower); seeds only one of them ran are left out."""
@@ -1811,6 +1854,7 @@ def test_experiments_summary_pairs_kla_and_gdn_seed_by_seed():
     assert "| kla - gdn, paired | 3 | -3.33 ± 15.28 (1 of 3 kla ahead) |" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 def test_experiments_resumes_a_stopped_run(tmp_path):
     """experiments.py prepares a task's data in --data_dir with --n_train examples, resumes a run that has a
     checkpoint but no eval.json (stopped by a deadline with --eval_stopped=False, or killed) instead of
@@ -1853,6 +1897,7 @@ def test_experiments_resumes_a_stopped_run(tmp_path):
            "tokens: set --block_size=128" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 def test_experiments_leaves_a_run_in_use_alone(tmp_path):
     """experiments.py over a run that another train.py is training (the same command in two terminals) neither
     trains nor evaluates it: its train.py stops at the lock, and no eval.json marks the unfinished run as done."""
@@ -1876,6 +1921,7 @@ def test_experiments_leaves_a_run_in_use_alone(tmp_path):
         first.wait()
 
 
+@pytest.mark.slow
 def test_experiments_sigterm_stops_like_the_deadline(tmp_path):
     """A SIGTERM to experiments.py (a scheduler's time limit) stops its training runs at once, as --deadline
     does, evaluates their best checkpoint so far and writes the table: the work done is not lost."""
@@ -1908,6 +1954,7 @@ def tiny_recall(tmp_path_factory):
     return str(root)
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_recall(tiny_recall, tmp_path):
     """train.py on whole examples with their labels, early stopping, then evaluate.py's accuracies."""
     p = run("train.py", *TINY, f"--data_dir={tiny_recall}", "--dataset=tinyrecall", "--block_size=32",
@@ -1937,6 +1984,7 @@ def test_evaluate_language_model_beyond_the_context(trained):
     assert all(0 < r["test_loss"] < 10 and 0 < r["val_loss"] < 10 for r in res["results"])
 
 
+@pytest.mark.slow
 def test_evaluate_settings_are_checked_before_any_work(tmp_path):
     cases = [("--factors=0", "factors = '0': must be integers >= 1 separated by commas"), ("--factors=abc", "factors = 'abc'"),
              ("--factors=1,,2", "factors = '1,,2'"), ("--eval_batches=0", "eval_batches = 0: must be >= 1"),
@@ -1955,6 +2003,7 @@ def tiny_documents(tmp_path_factory):
     return str(d.parent)
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
     """--documents=True trains each mixer on the batch as one packed row of documents (finite losses; the
     first evaluation, of the same initial weights, differs from documents=False's), and evaluate.py reads
@@ -1989,6 +2038,7 @@ def test_train_and_evaluate_on_documents(tiny_documents, tmp_path):
         assert 0 < r["document_loss"] < 10 and 0 < r["padded_loss"] < 10 and r["padded_loss"] != r["document_loss"]
 
 
+@pytest.mark.slow
 def test_single_pass_trains_on_each_window_once(tmp_path):
     """single_pass=True: the training windows are the train split cut end to end, in a seeded order, none used
     twice; a max_iters that needs more windows than the split holds is one line before any work."""
@@ -2016,6 +2066,7 @@ def test_single_pass_trains_on_each_window_once(tmp_path):
     assert not os.path.exists(tmp_path / "other" / "log.jsonl")
 
 
+@pytest.mark.slow
 def test_documents_need_an_end_of_text_token(tiny_data, trained, tmp_path):
     """documents=True on data without an end-of-text token (shakespeare_char): one line, before any training."""
     assert_each_is_one_line("train.py", [("--documents=True", "names none: prepare the data again")], *TINY,
@@ -2030,6 +2081,7 @@ NO_INTERPRETER = "import os, runpy, sys; os.environ.pop('TRITON_INTERPRET', None
                  "runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
+@pytest.mark.slow
 def test_sample_and_evaluate_a_model_trained_on_the_kernel(trained, tmp_path):
     """A checkpoint trained with --backend=triton samples and evaluates on a machine without a GPU (and
     without Triton's interpreter): the backend is how the mixer is computed, chosen for the device at hand."""
@@ -2077,6 +2129,7 @@ def need_bpe():
         pytest.skip(f"GPT-2 BPE unavailable offline: {err}")
 
 
+@pytest.mark.slow
 def test_prepare_bpe(tmp_path):
     """GPT-2 BPE of the plays, each ended by the end-of-text token, which meta.json names; a play's own
     "<|endoftext|>" is text."""
@@ -2108,6 +2161,7 @@ def prepared_from(src, dataset, tmp_path):
     return meta, splits, sorted(prepare_data.get_tokenizer(meta)[1](ids.tolist()) for ids in splits)
 
 
+@pytest.mark.slow
 def test_prepare_python_stdlib(tmp_path):
     need_bpe()
     src = tmp_path / "lib"
@@ -2124,6 +2178,7 @@ def test_prepare_python_stdlib(tmp_path):
     assert all((ids == 50256).sum() == 1 for ids in splits) and meta["eot"] == 50256  # one after each file
 
 
+@pytest.mark.slow
 def test_prepare_python_code(tmp_path):
     """python_code: every .py file under the folders, site-packages included, each distinct text once."""
     need_bpe()
@@ -2141,6 +2196,7 @@ def test_prepare_python_code(tmp_path):
     assert (cfg["dataset"], cfg["n_layer"], cfg["n_embd"], cfg["single_pass"]) == ("python_code", 12, 768, True)
 
 
+@pytest.mark.slow
 def test_prepare_web_fails_fast_offline(tmp_path):
     """Without the datasets library or the network the web corpus fails at once, saying why."""
     p = run("prepare_data.py", "--dataset=fineweb_edu", f"--data_dir={tmp_path}", timeout=60)
@@ -2148,6 +2204,7 @@ def test_prepare_web_fails_fast_offline(tmp_path):
     assert "datasets" in p.stderr or "cannot be reached" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_online_check_fails_fast():
     t0 = time.time()
     with pytest.raises(SystemExit, match="cannot be reached"):
@@ -2196,6 +2253,7 @@ def test_resume_is_exact(trained, tiny_data, tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+@pytest.mark.slow
 def test_ddp_cpu_two_processes(tiny_data, tmp_path):
     """torchrun with 2 processes on CPU (gloo); gradient accumulation is split between them."""
     p = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
@@ -2216,6 +2274,7 @@ def test_ddp_cpu_two_processes(tiny_data, tmp_path):
     assert np.allclose(ddp_losses, one_losses, rtol=1e-5, atol=0), (ddp_losses, one_losses)
 
 
+@pytest.mark.slow
 def test_ddp_compare_tool(tiny_data, tmp_path):
     """tools/ddp_compare.py: the same job on 1 and 2 processes, its table, and equal loss curves."""
     p = run(os.path.join(ROOT, "tools", "ddp_compare.py"), "--nproc=2", "--skip=1", f"--root={tmp_path}",
@@ -2229,6 +2288,7 @@ def test_ddp_compare_tool(tiny_data, tmp_path):
     assert len([r for r in one if "loss" in r]) == len([r for r in two if "loss" in r]) == 3
 
 
+@pytest.mark.slow
 def test_checkpoint_write_is_atomic(trained, tiny_data, tmp_path):
     """A full disk in the middle of writing a checkpoint leaves the previous one intact, and says so in one line."""
     out = tmp_path / "out"
@@ -2251,6 +2311,7 @@ def test_checkpoint_write_is_atomic(trained, tiny_data, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # no temporary file left behind
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_loses_nothing(tiny_data, tmp_path):
     """A run killed with SIGKILL at random moments (a checkpoint is written every iteration, so some kills
     land inside a write) and resumed each time from its last checkpoint ends with exactly the weights of
@@ -2285,6 +2346,7 @@ def test_sigkill_at_random_moments_loses_nothing(tiny_data, tmp_path):
         assert torch.equal(got["model"][name], tensor), name
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_out_dir_stops(tiny_data, tmp_path):
     """While a run trains (here before its first checkpoint, when the check for ckpt.pt cannot see it), a second
     train.py into its out_dir stops before any work, from scratch and with --init_from=resume alike, and the
@@ -2308,6 +2370,7 @@ def test_a_second_run_into_the_same_out_dir_stops(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.slow
 def test_data_prepared_again_does_not_change_a_running_run(tiny_data, tmp_path):
     """prepare_data.py run again on the data a run is training on (here with a 21st play) replaces the files; the
     run goes on with the data it began with and ends with exactly the weights of a run left alone."""
@@ -2327,6 +2390,7 @@ def test_data_prepared_again_does_not_change_a_running_run(tiny_data, tmp_path):
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.slow
 def test_nothing_is_unpickled():
     """Checkpoints and metadata are untrusted files: every torch.load in the project passes
     weights_only=True, and no file uses pickle."""
@@ -2354,6 +2418,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["loss", "grad"])
 def test_nonfinite_stops_or_skips(tiny_data, tmp_path, mode):
     """A non-finite loss or gradient stops the run at the next log line (logging every 3 iterations here),
@@ -2374,6 +2439,7 @@ def test_nonfinite_stops_or_skips(tiny_data, tmp_path, mode):
     assert ckpt["iter_num"] == 8 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
 
 
+@pytest.mark.slow
 def test_token_ids_beyond_the_vocabulary(tiny_data, tmp_path):
     data = tmp_path / "tiny"
     shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), data)
@@ -2386,6 +2452,7 @@ def test_token_ids_beyond_the_vocabulary(tiny_data, tmp_path):
     assert_clean_error(p, f"holds token id {meta['vocab_size'] + 3}", "vocabulary")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, phrase", [
     (["--n_layers=2"], "unknown config key 'n_layers'"),
     (["--n_layer=2.5"], "n_layer must be of type int"),
@@ -2397,6 +2464,7 @@ def test_config_errors(args, phrase):
     assert_clean_error(run("train.py", *args), phrase)
 
 
+@pytest.mark.slow
 def test_config_file_and_int_for_float(tiny_data, tmp_path):
     cfg = tmp_path / "cfg.py"
     cfg.write_text("import math\nmax_iters = 2\nlearning_rate = 1\nbogus_key = 3\n")
@@ -2407,6 +2475,7 @@ def test_config_file_and_int_for_float(tiny_data, tmp_path):
     assert [r["iter"] for r in train_log(str(tmp_path / "o")) if "loss" in r] == [0, 1]
 
 
+@pytest.mark.slow
 def test_train_prepares_missing_data(tmp_path):
     """The main job's first step: the default dataset is prepared when it is missing."""
     p = run("train.py", *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1")
@@ -2415,11 +2484,13 @@ def test_train_prepares_missing_data(tmp_path):
     assert meta["tokenizer"] == "char" and meta["train_tokens"] > 4_000_000  # all 38 plays
 
 
+@pytest.mark.slow
 def test_missing_data(tmp_path):
     assert_clean_error(run("train.py", *TINY, f"--data_dir={tmp_path}", "--dataset=custom", f"--out_dir={tmp_path}"),
                        "custom/meta.json not found")
 
 
+@pytest.mark.slow
 def test_empty_data_file(tiny_data, tmp_path):
     shutil.copytree(os.path.join(tiny_data, "shakespeare_char"), tmp_path / "tiny")
     (tmp_path / "tiny" / "val.bin").write_bytes(b"")
@@ -2427,6 +2498,7 @@ def test_empty_data_file(tiny_data, tmp_path):
                        "val.bin holds 0 tokens, fewer than block_size + 1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_checkpoint(trained, tiny_data, tmp_path, damage):
     """A damaged ckpt.pt gives one clear message from train.py and sample.py, and is left as it is."""
@@ -2439,12 +2511,14 @@ def test_corrupt_checkpoint(trained, tiny_data, tmp_path, damage):
     assert (tmp_path / "ckpt.pt").read_bytes() == bad
 
 
+@pytest.mark.slow
 def test_missing_checkpoint(tiny_data, tmp_path):
     assert_clean_error(run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--init_from=resume"),
                        "does not exist")
     assert_clean_error(run("sample.py", f"--out_dir={tmp_path}"), "does not exist")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_version(trained, tiny_data, tmp_path):
     """Weights whose names this model.py does not have (e.g. from before the fused input projection): one
     clear message from train.py, sample.py and evaluate.py."""
@@ -2458,6 +2532,7 @@ def test_checkpoint_of_another_model_version(trained, tiny_data, tmp_path):
         assert_clean_error(p, "does not match this model.py", "blocks.0.mixer.in_proj.weight", "ckpt.pt")
 
 
+@pytest.mark.slow
 def test_checkpoint_with_weights_of_other_shapes(trained, tiny_data, tmp_path):
     """Weights of another shape than this model.py's (the input projection without its unused rows, 148 of
     152): not loaded, one clear message that names them, from train.py too."""
@@ -2473,12 +2548,14 @@ def test_checkpoint_with_weights_of_other_shapes(trained, tiny_data, tmp_path):
     assert_clean_error(p, "does not match this model.py", name, "ckpt.pt")
 
 
+@pytest.mark.slow
 def test_resume_other_config(trained, tiny_data):
     p = run("train.py", *TINY, "--n_embd=64", f"--data_dir={tiny_data}", f"--out_dir={trained}", "--init_from=resume",
             "--max_iters=9")
     assert_clean_error(p, "checkpoint of another model", "n_embd=32 (this run: 64)")
 
 
+@pytest.mark.slow
 def test_resume_on_other_data_is_refused(trained, tmp_path):
     """The same model resumed on other data of the same vocabulary (here the corpus prepared again from 21 plays
     instead of 20, as a corpus prepared on a machine with other files would be) stops before any work, naming
@@ -2494,6 +2571,7 @@ def test_resume_on_other_data_is_refused(trained, tmp_path):
         assert (out / name).read_bytes() == open(os.path.join(trained, name), "rb").read(), name
 
 
+@pytest.mark.slow
 def test_optimizer_state_of_another_shape(trained, tiny_data, tmp_path):
     """A checkpoint whose optimizer moments do not have the shapes of its weights (another version of train.py,
     or an edited file) is refused in one line, not converted."""
@@ -2506,6 +2584,7 @@ def test_optimizer_state_of_another_shape(trained, tiny_data, tmp_path):
     assert_clean_error(p, "ckpt.pt: its optimizer state does not match the model's weights")
 
 
+@pytest.mark.slow
 def test_rerun_keeps_the_trained_model(trained, tiny_data, tmp_path):
     """A run from scratch into an out_dir that holds a checkpoint stops before any work, says how to go on,
     and leaves the checkpoint and its log as they were; so does a resume with nothing left to train."""
@@ -2520,6 +2599,7 @@ def test_rerun_keeps_the_trained_model(trained, tiny_data, tmp_path):
         assert (tmp_path / name).read_bytes() == open(os.path.join(trained, name), "rb").read(), name
 
 
+@pytest.mark.slow
 def test_run_ends_at_its_best_weights(tiny_data, tmp_path):
     """When the last evaluation is worse than the best, train.py reloads the best weights (the checkpoint,
     saved only on improvement) before its closing sample, and says so; the sample then comes from them. The run
@@ -2537,6 +2617,7 @@ def test_run_ends_at_its_best_weights(tiny_data, tmp_path):
     assert ckpt["best_val_loss"] == min(vals[1:])
 
 
+@pytest.mark.slow
 def test_resume_of_an_ended_run(tiny_data, tmp_path):
     """A run that ended keeps its best weights, here of an earlier iteration than its end: a resume with the
     same max_iters, or the same patience after an early stop, stops before any work (where the run ended,
@@ -2568,6 +2649,7 @@ def test_resume_of_an_ended_run(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.slow
 def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path):
     """A resumed run's first evaluation (the checkpoint's own weights) does not count against patience; the
     untrained model at iteration 0 is never taken as the best, so a run whose later evaluations are worse
@@ -2584,6 +2666,7 @@ def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path
     assert p.returncode == 0 and (out / "ckpt.pt").exists(), p.stdout
 
 
+@pytest.mark.slow
 def test_resume_evaluates_past_a_checkpoint_between_evaluations(tiny_data, tmp_path):
     """A checkpoint at an iteration that is not a multiple of eval_interval (a run of 25 iterations evaluated every
     10 ends with one at 25): the resumed run's first evaluation (30) is of new weights and is saved when it is the
@@ -2610,6 +2693,7 @@ def test_resume_evaluates_past_a_checkpoint_between_evaluations(tiny_data, tmp_p
     assert (ckpt["iter_num"], ckpt["best_val_loss"]) == (best, evals[best])
 
 
+@pytest.mark.slow
 def test_closing_sample_checks_its_tokenizer_before_training(tiny_data, tmp_path, monkeypatch):
     """A run on BPE data whose encoding cannot be loaded (not in the cache, no network; here the character data
     labelled as BPE, an empty cache and a proxy that refuses connections) stops before training when it is to end
@@ -2633,6 +2717,7 @@ def test_closing_sample_checks_its_tokenizer_before_training(tiny_data, tmp_path
     assert p.returncode == 0 and (tmp_path / "out" / "ckpt.pt").exists(), p.stderr
 
 
+@pytest.mark.slow
 def test_resume_in_another_dtype(tiny_data, tmp_path):
     """A checkpoint trained in float32 (its loss scaler off, its state empty) resumes in float16 with a fresh
     scale, and one trained in float16 resumes in float32, its scale unused."""
@@ -2649,6 +2734,7 @@ def test_resume_in_another_dtype(tiny_data, tmp_path):
     assert ckpt["iter_num"] == 6 and ckpt["scaler"] == {}
 
 
+@pytest.mark.slow
 def test_sample_token_ids_of_a_dataset_without_a_tokenizer(trained, tmp_path):
     """A model of a dataset without a tokenizer (the synthetic tasks: the prompt is token ids): an id outside the
     vocabulary or text is one line naming it; ids in range are sampled from, the new ones apart from the prompt."""
@@ -2667,6 +2753,7 @@ def test_sample_token_ids_of_a_dataset_without_a_tokenizer(trained, tmp_path):
     assert ids[:2] == ["3", str(vocab - 1)] and len(ids) == 6 and all(0 <= int(i) < vocab for i in ids), p.stdout
 
 
+@pytest.mark.slow
 def test_bad_files_seeds_and_temperatures_are_one_line(trained, tmp_path):
     """A prompt or config file that is not UTF-8 text, a seed beyond what torch takes (seed + rank < 2**64: seeds
     in [0, 2**63)), a temperature so small that logits / temperature would overflow: one line each, before any
@@ -2692,6 +2779,7 @@ def test_bad_files_seeds_and_temperatures_are_one_line(trained, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.slow
 def test_log_write_failure_at_a_resume(trained, tiny_data, tmp_path):
     """A full disk when a resumed run rewrites its log: one line, and the checkpoint and the log as they were, with
     no temporary file left behind."""
@@ -2719,6 +2807,7 @@ def test_log_write_failure_at_a_resume(trained, tiny_data, tmp_path):
     assert [(out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")] == before
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
     """Out of memory in the training loop (raised here at the 7th optimizer step, after the checkpoint of
     iteration 4): one line naming batch_size and block_size and the iteration the checkpoint holds, exit status 1,
@@ -2745,6 +2834,7 @@ def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path)
     assert [r["iter"] for r in train_log(out) if "val_loss" in r][-1] == 12
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_with_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
     """SIGINT (Ctrl-C) while a run trains, saving a checkpoint at every iteration (so that an interrupt may land
     in a write, which is then finished first): one line saying where it stopped and which iteration the checkpoint
@@ -2803,6 +2893,7 @@ def test_ctrl_c_stops_with_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == saved + 2
 
 
+@pytest.mark.slow
 def test_a_run_from_scratch_keeps_another_runs_results(trained, tiny_data, tmp_path):
     """A run from scratch into an out_dir that holds another run's results but no checkpoint (its eval.json, a log
     evaluated past iteration 0: a results folder kept without its checkpoint) stops before any work, naming them,
@@ -2835,6 +2926,7 @@ def test_a_run_from_scratch_keeps_another_runs_results(trained, tiny_data, tmp_p
     assert [r["iter"] for r in train_log(crashed) if "val_loss" in r] == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_run_in_use_is_named_first_and_evaluated_without_eval_json(tiny_data, tmp_path):
     """While a run trains, past its first checkpoint: a second train.py into its out_dir is told that it is in use
     (exit status EX_TEMPFAIL), never advised to delete the checkpoint; evaluate.py prints the checkpoint's results
@@ -2860,6 +2952,7 @@ def test_a_run_in_use_is_named_first_and_evaluated_without_eval_json(tiny_data, 
         first.wait()
 
 
+@pytest.mark.slow
 def test_evaluate_ctrl_c_is_one_line(trained, tmp_path):
     """Ctrl-C in evaluate.py: `interrupted`, exit status 130, no traceback, nothing written. The out_dir is locked
     here as a running train.py locks it, so that evaluate.py's first line says when its Ctrl-C handler is set."""
@@ -2883,6 +2976,7 @@ def test_evaluate_ctrl_c_is_one_line(trained, tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 
+@pytest.mark.slow
 def test_sample_ctrl_c_is_one_line(trained):
     """Ctrl-C in sample.py (stopping a long --max_new_tokens): `interrupted`, exit status 130, no traceback."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={trained}", "--device=cpu",
@@ -2895,6 +2989,7 @@ def test_sample_ctrl_c_is_one_line(trained):
     assert proc.returncode == 130 and err == b"interrupted\n", err
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_early_gets_no_traceback(trained, tmp_path):
     """sample.py and evaluate.py whose output nobody reads any more (python sample.py | head, the reader gone): they
     end quietly, by SIGPIPE as any Unix command, not with a BrokenPipeError traceback; evaluate.py writes eval.json
@@ -2922,6 +3017,7 @@ def test_a_reader_that_stops_early_gets_no_traceback(trained, tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["iter_num"] == 8
 
 
+@pytest.mark.slow
 def test_config_file_errors_name_the_file_and_evaluate_names_its_flags(trained, tmp_path):
     """A config file with a syntax error, or one that calls sys.exit(0), is one line naming the file (not <string>,
     not a silent exit 0); evaluate.py's need for an end-of-text token names only the flags given."""
@@ -2938,6 +3034,7 @@ def test_config_file_errors_name_the_file_and_evaluate_names_its_flags(trained, 
         assert code == 1 and err.startswith(phrase) and len(err.splitlines()) == 1, (args, err)
 
 
+@pytest.mark.slow
 def test_derived_defaults_follow_the_overrides(tiny_data, tmp_path):
     """min_lr (learning_rate / 10) and lr_decay_iters (max_iters) are resolved after the overrides: the
     schedule follows --learning_rate and --max_iters, and the checkpoint's config holds the values used."""
@@ -2951,6 +3048,7 @@ def test_derived_defaults_follow_the_overrides(tiny_data, tmp_path):
     assert config["min_lr"] == pytest.approx(1e-5) and config["lr_decay_iters"] == 6
 
 
+@pytest.mark.slow
 def test_train_settings_are_checked_before_any_work(tmp_path):
     """A setting out of its range is one line naming the value and the allowed range, before the data is
     read or prepared and before out_dir is made."""
@@ -2982,6 +3080,7 @@ def test_train_settings_are_checked_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "none").exists()
 
 
+@pytest.mark.slow
 def test_damaged_data_files(tiny_data, tmp_path):
     """A train.bin cut in the middle of a token, a meta.json cut short or without a field: one line naming the file."""
     src = os.path.join(tiny_data, "shakespeare_char")
@@ -2999,6 +3098,7 @@ def test_damaged_data_files(tiny_data, tmp_path):
     assert_each_is_one_line("train.py", cases, *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}")
 
 
+@pytest.mark.slow
 def test_half_precision_on_the_cpu_warns(tiny_data, tmp_path):
     p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--max_iters=1", "--dtype=bfloat16")
     assert p.returncode == 0, p.stderr
@@ -3022,6 +3122,7 @@ print("reads:", sum(reads.values()), dict(reads))
 """
 
 
+@pytest.mark.slow
 def test_training_reads_from_the_device_only_to_log_or_evaluate(tiny_data, tmp_path):
     """Between log lines and evaluations the training loop reads no value back from the device (on a GPU each
     read waits for all the work queued): train.py's conversions of tensors to Python values, evaluation and
@@ -3046,6 +3147,7 @@ def test_sample_streams(trained, tmp_path):
     assert first.startswith("ALICE:\n") and len(first) == len("ALICE:\n") + 20 + 1  # one character per token
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, phrase", [
     (["--start=Zounds é"], "characters not in the vocabulary: 'Zé'"),
     (["--max_new_tokens=0"], "max_new_tokens = 0: must be >= 1"),
@@ -3056,6 +3158,7 @@ def test_sample_errors(trained, args, phrase):
     assert_clean_error(run("sample.py", f"--out_dir={trained}", "--device=cpu", *args), phrase)
 
 
+@pytest.mark.slow
 def test_sample_settings_are_checked_before_any_work(tmp_path):
     cases = [("--num_samples=0", "num_samples = 0: must be >= 1"), ("--top_k=-1", "top_k = -1: must be >= 0 (0: all tokens)"),
              ("--temperature=-1", "temperature = -1.0: must be a finite number >= 0"),
@@ -3066,6 +3169,7 @@ def test_sample_settings_are_checked_before_any_work(tmp_path):
     assert_each_is_one_line("sample.py", cases, f"--out_dir={tmp_path}", "--device=cpu")  # no checkpoint there
 
 
+@pytest.mark.slow
 def test_digits_and_folders_are_checked_before_any_work(tmp_path):
     """A factor written with a digit that int() does not take (a superscript), an out_dir or data_dir that is a file,
     prepare_data.py's data_dir '' (the current folder): one line naming the value, before any work."""
@@ -3083,6 +3187,7 @@ def test_digits_and_folders_are_checked_before_any_work(tmp_path):
     assert not os.path.exists(os.path.join(ROOT, "mqar_small"))
 
 
+@pytest.mark.slow
 def test_not_a_checkpoint_gives_no_unsafe_advice(tmp_path):
     """A file of random bytes as ckpt.pt: one line that does not pass on PyTorch's advice to load it with
     weights_only=False (which would run whatever code an untrusted file holds)."""
@@ -3091,6 +3196,7 @@ def test_not_a_checkpoint_gives_no_unsafe_advice(tmp_path):
     assert code != 0 and "cannot load" in err and len(err.splitlines()) == 1, err
     assert "weights_only" not in err, err
 
+@pytest.mark.slow
 def test_a_checkpoint_that_train_py_did_not_write_is_one_line(trained, tiny_data, tmp_path):
     """A ckpt.pt that torch.load reads but that is not what train.py writes (a tensor saved by other code, a dict
     without an entry that the command reads, model_args with a field this model.py does not know or of another type,
@@ -3186,6 +3292,7 @@ STEP_MODELS = [dict(step_rule=rule) for rule in model.STEP_RULES] + [dict(decay=
                                                                      dict(step_rule="unit", decay=False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", STEP_MODELS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_each_step_rule_trains(kw, monkeypatch):
     """A tiny GPT of each rule, and without the decay (DeltaNet with 'unit'), trains on the CPU: finite losses
@@ -3219,6 +3326,7 @@ def test_each_step_rule_trains(kw, monkeypatch):
     assert bool((seen["g"] == 0).all()) == (not decay)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("kw", [dict(step_rule="longhorn"), dict(step_rule="scalar"), dict(step_rule="raw"),
                                 dict(decay=False)], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
@@ -3248,6 +3356,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
     assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", model.STEP_RULES)
 def test_step_rules_on_triton_match_float64(rule, capsys):
     """Every rule through linear_attention's Triton path (the kernel in the interpreter, float32; 'longhorn's beta
@@ -3266,6 +3375,7 @@ def test_step_rules_on_triton_match_float64(rule, capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_step_rule_errors_name_the_value(tmp_path):
     with pytest.raises(ValueError, match=re.escape("one of kaczmarz, unit, raw, scalar, longhorn; got 'sgd' with mixer 'kla'")):
         GPTConfig(step_rule="sgd")
@@ -3283,6 +3393,7 @@ def test_step_rule_errors_name_the_value(tmp_path):
     assert_each_is_one_line("train.py", cases, *TINY, "--mixer=attn", f"--out_dir={tmp_path}")
 
 
+@pytest.mark.slow
 def test_checkpoint_without_the_step_rule_fields_loads_and_resumes(tiny_data, tmp_path):
     """model_args without step_rule and decay (a checkpoint saved before they existed) is KLA with its decay:
     GPT.from_checkpoint builds it, train.py resumes it, and refuses to resume it as another rule."""
@@ -3302,6 +3413,7 @@ def test_checkpoint_without_the_step_rule_fields_loads_and_resumes(tiny_data, tm
     assert_clean_error(p, "step_rule='' (this run: 'raw')")
 
 
+@pytest.mark.slow
 def test_experiments_step_rule_ablation(tmp_path):
     """--step_rules: a run per rule of the one mixer, named <task>-<rule>-<seed>, with its train.py flags
     ('deltanet': the rule 'unit' without the decay); the collected table carries each run's rule."""
@@ -3345,6 +3457,7 @@ def split_into(text, documents):
     return taken if at == len(text) else None
 
 
+@pytest.mark.slow
 def test_splits_are_whole_documents_disjoint_and_cover_the_corpus(tmp_path):
     """prepare_data.py puts each play in exactly one of train / val / test, whole, in corpus order, with at least
     5 % of the tokens in val and in test, and splits the same corpus the same way every time."""
@@ -3378,6 +3491,7 @@ def test_splits_are_whole_documents_disjoint_and_cover_the_corpus(tmp_path):
                        "the corpus has 2 document(s): the train, val and test splits need one each")
 
 
+@pytest.mark.slow
 def test_evaluate_reports_test_beside_val(tiny_data, trained, tmp_path):
     """evaluate.py's language-model numbers: test_loss read from test.bin, val_loss from val.bin, both printed."""
     data = tmp_path / "shakespeare_char"
@@ -3398,6 +3512,7 @@ def test_evaluate_reports_test_beside_val(tiny_data, trained, tmp_path):
     assert all(f"| {r['test_loss']:.4f} | {r['val_loss']:.4f} |" in p.stdout for r in after)
 
 
+@pytest.mark.slow
 def test_data_without_a_test_split_is_refused(tiny_data, trained, tmp_path):
     """Data prepared without a test split, a model trained on such data, and data split otherwise than the model's:
     one line each, before any work, saying what to do."""
@@ -3472,6 +3587,7 @@ def test_stack_labels_are_the_popped_values(length):
     assert np.array_equal(x, x2) and np.array_equal(y, y2)
 
 
+@pytest.mark.slow
 def test_stack_and_palindrome_follow_the_protocol():
     """The datasets and configs: vocab 128, 64 stacks, trained at 1024 and tested at 256 .. 2048; the synthetic
     model of config/mqar.py (2 layers, width 256, 4 heads, d_k 48 / d_v 96 a head, SwiGLU 1024) and its training."""
@@ -3495,6 +3611,7 @@ def test_stack_and_palindrome_follow_the_protocol():
     assert tasks["lm"][2] == "test_loss"
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_stack_and_palindrome(tmp_path):
     """prepare_data.py -> train.py (the small configs, a tiny model, 4 iterations) -> evaluate.py for both tasks:
     accuracy at each test length over exactly the scored positions of the examples read."""
@@ -3522,6 +3639,7 @@ def test_train_and_evaluate_stack_and_palindrome(tmp_path):
             assert 0 <= r["accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_experiments_collects_the_test_loss(tmp_path):
     """experiments.py's lm table reports test_loss@<length> and keeps val_loss@<length> beside it; a run
     evaluated without a test split (no test_loss) is left out, saying so. The table of a task without runs under
@@ -3556,6 +3674,7 @@ def fake_run(run_dir, accuracy, iters=2, ended=True):
     (run_dir / "log.jsonl").write_text(json.dumps({"iter": iters, "val_loss": 1.0}) + "\n" + ENDED.format(iters) * ended)
 
 
+@pytest.mark.slow
 def test_experiments_keeps_the_rows_of_other_runs(tmp_path):
     """A results table's row is never replaced by another run's silently (a run under another --root, with other
     settings): the call stops before any work, naming the row, and the table is left as it was; the same run
@@ -3584,6 +3703,7 @@ def test_experiments_keeps_the_rows_of_other_runs(tmp_path):
     assert [(r["seed"], r["accuracy@128"]) for r in csv.DictReader(open(res / "mqar_small.csv"))] == [("1", "0.5000")]
 
 
+@pytest.mark.slow
 def test_experiments_reports_a_failed_run_and_evaluates_an_unreadable_eval_again(tmp_path):
     """A run whose train.py fails (here a resume refused: its checkpoint is of another n_layer) is reported with its
     error line, neither evaluated nor collected, and experiments.py exits non-zero. A run whose eval.json cannot be
@@ -3618,6 +3738,7 @@ def test_experiments_reports_a_failed_run_and_evaluates_an_unreadable_eval_again
     assert "skipped mqar_small-kla-3: its eval.json is unreadable (JSONDecodeError" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arg,phrase", [("--tasks=foo", "tasks = 'foo': must be tasks separated by commas, from mqar"),
                                         ("--seeds=a", "seeds = 'a': must be integers >= 0"),
                                         ("--seeds=-1", "seeds = '-1'"),
@@ -3637,6 +3758,7 @@ def test_experiments_settings_are_checked_before_any_work(tmp_path, arg, phrase)
     assert len(p.stderr.splitlines()) == 1 and not root.exists() and not data.exists() and not (tmp_path / "res").exists()
 
 
+@pytest.mark.slow
 def test_experiments_checks_the_flags_of_its_runs_before_any_work(tmp_path):
     """--train_args and --eval_args that train.py or evaluate.py refuse (a typo, a value out of range), flags there that
     experiments.py sets for each run, and a task, mixer or seed given twice (two train.py into one folder): one line
@@ -3661,6 +3783,7 @@ def test_experiments_checks_the_flags_of_its_runs_before_any_work(tmp_path):
     assert not root.exists() and not data.exists() and not res.exists()
 
 
+@pytest.mark.slow
 def test_experiments_writes_its_tables_atomically(tmp_path):
     """A results table is written whole to a temporary file renamed over the old one: a full disk (the temporary
     file sent to /dev/full) is one line, and the old table and no temporary file are left. write_file writes text
@@ -3685,6 +3808,7 @@ def test_experiments_writes_its_tables_atomically(tmp_path):
         assert (tmp_path / "f").read_bytes() == (data.encode() if isinstance(data, str) else data)
 
 
+@pytest.mark.slow
 def test_experiments_touches_only_the_tables_of_its_tasks(tmp_path):
     """Collection, its clash check and --overwrite=True cover the tasks of --tasks alone (by default with
     --collect=True: every task run under --root); --collect=True with no done run of them is an error."""
@@ -3708,6 +3832,7 @@ def test_experiments_touches_only_the_tables_of_its_tasks(tmp_path):
     assert_clean_error(p, f"error: no run under {tmp_path / 'empty'} (folders <task>-<mixer or rule>-<seed>")
 
 
+@pytest.mark.slow
 def test_experiments_resumes_a_run_evaluated_before_it_ended(tmp_path):
     """A run is done only if its log ends with an end record and its eval.json is of its checkpoint's iteration:
     one evaluated while it trained (evaluate.py by hand mid-run) or from an earlier checkpoint is resumed and not
@@ -3740,6 +3865,7 @@ def test_experiments_resumes_a_run_evaluated_before_it_ended(tmp_path):
     assert [(r["seed"], r["accuracy@128"]) for r in rows] == [("3", "0.7500"), ("4", "0.2500")]
 
 
+@pytest.mark.slow
 def test_experiments_ctrl_c_stops_its_runs_with_one_line(tmp_path):
     """Ctrl-C (SIGINT) to experiments.py while a run trains: its train.py is stopped, one line saying the runs can
     be resumed by running it again, exit status 130, no traceback."""
@@ -3771,6 +3897,7 @@ def test_experiments_ctrl_c_stops_its_runs_with_one_line(tmp_path):
     assert not alive
 
 
+@pytest.mark.slow
 def test_prepare_data_ctrl_c_keeps_the_old_dataset(tmp_path, monkeypatch, capsys):
     """Ctrl-C in prepare_data.py: one line and exit status 130; the old dataset is left as it was, or, for a Ctrl-C
     while the new one replaces it (its renames are not cut half-way), the new one is whole."""
@@ -3803,6 +3930,7 @@ def test_prepare_data_ctrl_c_keeps_the_old_dataset(tmp_path, monkeypatch, capsys
     assert json.loads((data / "mqar_small" / "meta.json").read_text())["n_train"] == 50
 
 
+@pytest.mark.slow
 def test_ddp_compare_checks_its_flags_first(tiny_data, tmp_path):
     """tools/ddp_compare.py: --nproc < 1, and gradient_accumulation_steps not a multiple of --nproc, are one line
     before any run; a run that fails gives its error line, not torchrun's traceback."""
@@ -3818,6 +3946,7 @@ def test_ddp_compare_checks_its_flags_first(tiny_data, tmp_path):
     assert len(p.stderr.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_gpu_script_needs_a_gpu_and_checks_its_cases():
     """test_gpu.py without a GPU (unless --smoke), and a --cases index outside the list: one line each, before any
     work."""
@@ -3843,6 +3972,7 @@ def test_bench_and_tools_refuse_bad_arguments_in_one_line():
         ("--dtype=float16", "error: --dtype=float16: must be bfloat16 or float32")], "--old=kernel.py")
 
 
+@pytest.mark.slow
 def test_evaluate_writes_eval_json_atomically(trained, tmp_path):
     """A full disk while evaluate.py writes eval.json (its temporary file sent to /dev/full): one line, and no
     eval.json cut short: the old one as it was, or none; no temporary file left."""
@@ -3866,6 +3996,7 @@ def test_evaluate_writes_eval_json_atomically(trained, tmp_path):
     assert not (tmp_path / "none" / "eval.json").exists()
 
 
+@pytest.mark.slow
 def test_evaluate_checks_every_window_before_any_evaluation(trained):
     """A factor too large for a split is refused before the first length is evaluated, naming the factors allowed."""
     p = run("evaluate.py", f"--out_dir={trained}", "--device=cpu", "--dtype=float32", "--factors=1,2,100000",
@@ -3875,6 +4006,7 @@ def test_evaluate_checks_every_window_before_any_evaluation(trained):
     assert len(p.stderr.splitlines()) == 1 and "| length |" not in p.stdout
 
 
+@pytest.mark.slow
 def test_evaluate_checks_its_data_files_before_any_evaluation(tiny_recall, tiny_data, trained, tmp_path):
     """A test set or split that is empty, cut short (not a whole number of tokens or examples) or whose labels are
     those of fewer examples, of any length: one line naming the file before the first length is evaluated (not
@@ -3907,6 +4039,7 @@ def test_evaluate_checks_its_data_files_before_any_evaluation(tiny_recall, tiny_
     assert not (out / "eval.json").exists() and not (lm / "eval.json").exists()
 
 
+@pytest.mark.slow
 def test_prepare_data_errors_keep_the_old_dataset(tmp_path, monkeypatch):
     """prepare_data.py: a data_dir that is a file, or an n_train whose examples cannot fit in memory, is one line
     before any work; a preparation that fails half-way (out of memory, a full disk) leaves the old dataset as it
@@ -3958,6 +4091,7 @@ def loss_and_grads(m, idx, targets, cu_seqlens=None, seed=5):
     return [loss.detach(), *torch.autograd.grad(loss, list(m.parameters()))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer,backend,packed", [("kla", "chunkwise", False), ("kla", "triton", False),
                                                   ("kla", "chunkwise", True), ("kla", "triton", True),
                                                   ("gdn", "chunkwise", False), ("gdn", "chunkwise", True),
