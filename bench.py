@@ -33,10 +33,10 @@ Sections (comma-separated; default kernel,decode):
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention
           (--lengths=1024 and --batch=1 pick prompts and batches)
-  headline the README's numbers in one process (about 15 minutes on an H100): kernel's rows against fla and
-          FlashQLA, train's compiled attn / kla at 2048 and 8192, prefill's one pass at 4K / 8K / 128K, generate's
-          KLA after 1K tokens at batch 1 and 64 against the floor; written to results/bench_<gpu>/headline.md
-          with the git commit (outside a git checkout: $KLA_COMMIT)
+  headline the README's numbers in one process: kernel's rows against fla and FlashQLA, train's compiled attn / kla
+          at 2048 and 8192, prefill's one pass at 4K / 8K / 128K, generate's KLA after 1K tokens at batch 1 and 64
+          against the floor; written to results/bench_<gpu>/headline.md with the git commit (outside a git checkout:
+          $KLA_COMMIT). FlashQLA's TileLang compiles each new shape first, minutes each on a fresh machine.
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel._fwd_fuse_o), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
 --pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
