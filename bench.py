@@ -29,6 +29,10 @@ Sections (comma-separated; default kernel,decode):
   decode_profile  where one decoding step's GPU time goes (KLA, --batch=1,64).
   generate decoding tokens/s after prompts of 1K, 8K and 32K at batch 1 and 64, KLA against attention
           (--lengths=1024 and --batch=1 pick prompts and batches)
+  headline the README's numbers in one process: kernel's rows against fla and FlashQLA, train's compiled attn / kla
+          at 2048 and 8192, prefill's one pass at 4K / 8K / 128K, generate's KLA after 1K tokens at batch 1 and 64
+          against the floor; written to results/bench_<gpu>/headline.md with the git commit (outside a git checkout:
+          $KLA_COMMIT). FlashQLA's TileLang compiles each new shape first, minutes each on a fresh machine.
 --fuse_o=0 / 1 forces the kernel's forward to add the state's share of the output after the sequential pass /
 inside it (kernel.CONFIGS's "fuse_o"), for any section. --decode_fused=0 decodes through the layer's PyTorch code.
 --pdl=0 launches batch-1 decoding's kernels without programmatic dependent launch (kernel_decode.DECODE_PDL).
@@ -703,11 +707,91 @@ def section_generate(device, smoke):
         ["mixer", "batch", "prompt", "tokens/s", "ms / step", "floor ms", "of floor", "peak GiB"], rows
 
 
+# -----------------------------------------------------------------------------
+# The headline: the README's numbers, each against its anchor, from one process
+
+
+def with_args(section, device, smoke, **args):
+    """section run as if the command line had given these --key=value settings (and only these)."""
+    saved = dict(ARGS)
+    ARGS.clear()
+    ARGS.update(args)
+    try:
+        return section(device, smoke)[2]
+    finally:
+        ARGS.clear()
+        ARGS.update(saved)
+
+
+def section_headline(device, smoke):
+    """The kernel against fla and FlashQLA (section_kernel's shapes), the compiled model's training step at 2048
+    and 8192 tokens and batch-1 prefill at 4K / 8K / 128K against attention, and decoding after 1K tokens at
+    batch 1 and 64 (CUDA graph) against the bandwidth floor. One row a number and its anchor; '-' where an anchor
+    is not installed or not run."""
+    cell = lambda x: "-" if x is None or isinstance(x, float) and x != x else x
+    ratio = lambda a, b: a / b if all(isinstance(x, (int, float)) for x in (a, b)) else float("nan")
+    rows = []
+    for r in with_args(section_kernel, device, smoke):
+        for anchor, col in (("fla", 3), ("FlashQLA", 4)):
+            rows.append([f"kernel {r[1]} ms", r[0], r[2], anchor, r[col], ratio(r[2], r[col])])
+    lengths = {} if smoke else {"lengths": "2048,8192"}  # a smoke run: eager (compiling on a CPU takes minutes)
+    train = with_args(section_train, device, smoke, mixers="attn,kla", compile="0" if smoke else "1", fla_lm="0",
+                      **lengths)
+    attn = {r[2]: r for r in train if r[0] == "attn"}
+    for r in train:
+        if r[0] == "kla" and r[2] in attn:
+            a = attn[r[2]]
+            setting = f"T {r[2]}, batch {r[3]}, {r[1]}"
+            rows.append(["training tokens/s", setting, r[6], "attention", a[6], ratio(r[6], a[6])])
+            rows.append(["training peak GiB", setting, r[9], "attention", a[9], ratio(r[9], a[9])])
+    prefill = with_args(section_prefill, device, smoke, mixers="attn,kla",
+                        lengths="128,512" if smoke else "4096,8192,131072")
+    attn = {r[2]: r for r in prefill if r[0] == "attn"}
+    for r in prefill:
+        if r[0] == "kla":
+            rows.append(["prefill ms, batch 1", f"{r[2]} tokens", r[3], "attention", attn[r[2]][3],
+                         ratio(r[3], attn[r[2]][3])])
+    decode = with_args(section_generate, device, smoke, mixers="kla", lengths="64" if smoke else "1024",
+                       batch="1,64")
+    for r in decode:
+        if r[0] == "kla (CUDA graph)":  # tokens/s at the floor: batch / floor ms; the ratio is "of floor"
+            floor = ratio(1e3 * r[1], r[5])
+            rows.append(["decoding tokens/s", f"batch {r[1]}, after {r[2]} tokens, CUDA graph", r[3],
+                         "bandwidth floor", floor, ratio(r[3], floor)])
+    rows = [[cell(x) for x in r] for r in rows]
+    head = ["measure", "setting", "KLA", "anchor", "anchor's", "KLA / anchor"]
+    return "headline: each number against its anchor, one process", head, rows
+
+
+def headline_md(env, title, head, rows):
+    """headline.md: the GPU, the commit, the versions, the command and the table."""
+    import subprocess
+    root = os.path.dirname(os.path.abspath(__file__))
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
+    commit = git("rev-parse", "HEAD") or os.environ.get("KLA_COMMIT", "unknown (not a git checkout; set KLA_COMMIT)")
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " with uncommitted changes"
+    return (f"# Headline\n\n{env}; commit {commit}.\n\nCommand: `python bench.py --section=headline`. KLA / anchor "
+            "below 1 is KLA faster (ms) or smaller (GiB); above 1 is KLA faster (tokens/s). Decoding's ratio is "
+            f"the share of the bandwidth floor.\n\n{table(title, head, rows)}\n")
+
+
+def gpu_slug(name):
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the results folder's suffix."""
+    import re
+    found = re.search(r"\b([A-Z]+\d+)", name)
+    return found.group(1).lower() if found else re.sub(r"\W+", "_", name).strip("_").lower()
+
+
 SECTIONS = {"profile": section_profile, "kernel": section_kernel, "varlen": section_varlen,
             "decode": section_decode,
             "train": section_train, "train_profile": section_train_profile, "prefill": section_prefill,
             "prefill_profile": section_prefill_profile, "decode_profile": section_decode_profile,
-            "generate": section_generate}
+            "generate": section_generate, "headline": section_headline}
 
 
 def table(title, head, rows):
@@ -826,6 +910,14 @@ def main():
         print("\n" + text[-1], flush=True)
     text = "\n\n".join(text)
     print("\n" + text)
+    if "headline" in results["sections"]:  # results/bench_<gpu>/headline.md (a smoke run: only under --out)
+        dirs = ([] if smoke else [os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                               f"bench_{gpu_slug(dev)}")]) + ([out] if out else [])
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "headline.md"), "w") as f:
+                f.write(headline_md(results["env"], **results["sections"]["headline"]))
+            print(f"wrote {os.path.join(d, 'headline.md')}")
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "bench.md"), "w") as f:

@@ -1807,6 +1807,52 @@ def test_loss_bench_tool_checks_its_flags_and_compares_the_losses():
 
 
 @pytest.mark.slow
+def test_bench_headline_smoke(tmp_path):
+    """bench.py --section=headline --smoke writes headline.md: the device, the commit, the versions, the command
+    and one table whose rows are the kernel against fla and FlashQLA ('-' where not installed), training and
+    prefill against attention and decoding against the bandwidth floor."""
+    p = run("bench.py", "--smoke", "--section=headline", f"--out={tmp_path}", timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    text = (tmp_path / "headline.md").read_text()
+    assert text.startswith("# Headline\n") and "commit " in text and "`python bench.py --section=headline`" in text
+    assert re.search(r"torch \S+, triton \S+, fla-core \S+.*, flash-qla ", text), text[:500]
+    lines = [l for l in text.splitlines() if l.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["measure", "setting", "KLA", "anchor", "anchor's", "KLA / anchor"] and set(lines[1]) <= set("|-")
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:]]
+    assert all(len(r) == len(head) for r in rows) and "nan" not in text
+    measures = {(r[0], r[3]) for r in rows}
+    assert {("kernel fwd ms", "fla"), ("kernel fwd+bwd ms", "FlashQLA"), ("training tokens/s", "attention"),
+            ("training peak GiB", "attention"), ("prefill ms, batch 1", "attention"),
+            ("decoding tokens/s", "bandwidth floor")} <= measures, measures
+    assert [r[1].split(",")[0] for r in rows if r[0] == "decoding tokens/s"] == ["batch 1", "batch 64"]
+
+
+def test_readme_performance_numbers_are_in_their_source():
+    """Every ratio in README's Performance table stands in the results file its row names, run on the GPU the row
+    names (headline.md's table once a headline run exists; until then one single-process file of the code)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+    lines = [l for l in section.splitlines() if l.startswith("|")]
+    assert lines and len(section.strip().splitlines()) <= 12, section
+    checked = 0
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        numbers = re.findall(r"\d+\.\d+", cells[2])
+        if not numbers:
+            continue
+        links = re.findall(r"\]\((results/[^)]+)\)", cells[3])
+        gpus = re.findall(r"\bH[12]00\b", cells[3])
+        assert len(links) == 1 and len(gpus) == 1, line
+        source = open(os.path.join(ROOT, links[0])).read()
+        assert f"NVIDIA {gpus[0]}" in source[:600], f"{links[0]} does not open naming the {gpus[0]}"
+        for n in numbers:
+            assert re.search(rf"(?<![\d.]){re.escape(n)}(?!\d)", source), f"{n} is not in {links[0]}"
+            checked += 1
+    assert checked
+
+
+@pytest.mark.slow
 def test_bench_kernel_rows_in_the_order_given(tmp_path):
     """bench.py --rows picks the kernel section's rows and runs them in the order given; a name that matches no
     row is refused in one line before anything is timed."""
