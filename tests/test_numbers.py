@@ -123,8 +123,8 @@ def token_losses(m, x, y):
 
 
 def load(out_dir):
-    ckpt = torch.load(Path(out_dir) / "ckpt.pt", map_location="cpu", weights_only=True)
-    return GPT.from_checkpoint(ckpt).eval(), ckpt
+    """The model of out_dir/ckpt.pt, in eval mode."""
+    return GPT.from_checkpoint(torch.load(Path(out_dir) / "ckpt.pt", map_location="cpu", weights_only=True)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_evaluate_losses_at_each_factor(docs, docs_model):
     run("evaluate.py", f"--out_dir={docs_model}", "--device=cpu", "--dtype=float32", "--factors=1,2",
         "--eval_batches=2", "--batch_size=3", "--seed=5")
     res = json.loads((docs_model / "eval.json").read_text())["results"]
-    m, _ = load(docs_model)
+    m = load(docs_model)
     assert [r["length"] for r in res] == [16, 32]
     for r in res:
         for split in ("test", "val"):
@@ -168,7 +168,7 @@ def test_evaluate_documents_and_padding(docs, docs_model):
     run("evaluate.py", f"--out_dir={docs_model}", "--device=cpu", "--dtype=float32", "--factors=1,2",
         "--eval_batches=1", "--batch_size=3", "--documents=True", "--padded=True")
     res = json.loads((docs_model / "eval.json").read_text())["results"]
-    m, _ = load(docs_model)
+    m = load(docs_model)
     test = np.fromfile(docs / "docs" / "test.bin", dtype=np.uint16).astype(np.int64)
     for r in res:
         L = r["length"]
@@ -221,7 +221,7 @@ def test_evaluate_recall_accuracy(recall_model):
     out, data = recall_model
     run("evaluate.py", f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--batch_size=7", "--max_examples=20")
     res = json.loads((out / "eval.json").read_text())["results"]
-    m, _ = load(out)
+    m = load(out)
     assert [r["length"] for r in res] == [32, 64]
     for r in res:
         L = r["length"]
