@@ -97,7 +97,7 @@ def test_recurrent_matches_literal_recurrence():
     q, k, v, g, eta, h0 = make_inputs(B=2, T=9, H=2, K=4, V=3, norm_range=(-2, 2))
     o_ref, S_ref = literal_recurrence(q, k, v, g, eta, h0)
     o, S = kla_recurrent(q, k, v, g, eta, initial_state=h0, output_final_state=True)
-    assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
+    assert rel_err(o, o_ref) < 3e-15 and rel_err(S, S_ref) < 3e-15  # about 10x the error measured (float64): 2.9e-16
 
 
 @pytest.mark.parametrize("T,C", [(1, 64), (37, 16), (64, 64), (130, 64), (100, 32), (50, 1)])
@@ -108,7 +108,7 @@ def test_chunkwise_matches_recurrent_float64(T, C, use_h0, kaczmarz):
     ref = outputs_and_grads(kla_recurrent, inputs, use_h0, kaczmarz=kaczmarz)
     out = outputs_and_grads(kla_chunkwise, inputs, use_h0, kaczmarz=kaczmarz, chunk_size=C)
     for name, a, b in zip(NAMES, out, ref):
-        assert rel_err(a, b) < 1e-10, name
+        assert rel_err(a, b) < 2e-13, name  # about 10x the error measured (float64): 1.6e-14, the largest of the cases
 
 
 @pytest.mark.parametrize("norm_range", [(-3, -3), (3, 3), (-3, 3), (-4, 4)])
@@ -118,7 +118,8 @@ def test_extreme_key_norms_float64(norm_range):
     ref = outputs_and_grads(kla_recurrent, inputs)
     out = outputs_and_grads(kla_chunkwise, inputs, chunk_size=32)
     for name, a, b in zip(NAMES, out, ref):
-        assert torch.isfinite(a).all() and rel_err(a, b) < 1e-10, name
+        # about 10x the error measured (float64): 1.4e-15
+        assert torch.isfinite(a).all() and rel_err(a, b) < 2e-14, name
 
 
 @pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
@@ -128,7 +129,7 @@ def test_float32_against_float64(fn):
     out = outputs_and_grads(fn, [x.float() for x in inputs])
     assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
     for name, a, b in zip(NAMES, out, ref):
-        assert rel_err(a, b) < 1e-4, name
+        assert rel_err(a, b) < 3e-6, name  # about 10x the error measured (float32): 2.9e-7
 
 
 @pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
@@ -138,7 +139,7 @@ def test_zero_keys_are_finite(fn):
     out = outputs_and_grads(fn, [q, k, v, g, eta, h0])
     assert all(torch.isfinite(x).all() for x in out)
     o_ref, _ = literal_recurrence(q, k, v, g, eta, h0)
-    assert rel_err(out[0], o_ref) < 1e-10
+    assert rel_err(out[0], o_ref) < 3e-15  # about 10x the error measured (float64): 2.4e-16
 
 
 @pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
@@ -154,7 +155,7 @@ def test_edge_values(fn):
     keep[5] = False  # the literal recurrence divides 0 by 0 at the zero key; without it they agree
     o_ref, S_ref = literal_recurrence(*[x[:, keep] for x in (q, k, v, g, eta)], h0, eps=0.0)
     o, S = fn(*[x[:, keep] for x in (q, k, v, g, eta)], initial_state=h0, output_final_state=True, eps=0.0)
-    assert rel_err(o, o_ref) < 1e-10 and rel_err(S, S_ref) < 1e-10
+    assert rel_err(o, o_ref) < 4e-15 and rel_err(S, S_ref) < 4e-15  # about 10x the error measured (float64): 3.6e-16
     _, S5 = fn(*[x[:, 5:6] for x in (q, k, v, g, eta)], initial_state=h0, output_final_state=True, eps=0.0)
     assert rel_err(S5, g[:, 5].exp()[..., None, None] * h0) < 1e-14  # the zero key only decayed the state
 
@@ -178,7 +179,8 @@ def test_full_forgetting_g_minus_inf(C):
     ref = outputs_and_grads(kla_recurrent, [q, k, v, g, eta, h0])
     out = outputs_and_grads(kla_chunkwise, [q, k, v, g, eta, h0], chunk_size=C)
     for name, a, b in zip(NAMES, out, ref):
-        assert torch.isfinite(a).all() and torch.isfinite(b).all() and rel_err(a, b) < 1e-10, name
+        # about 10x the error measured (float64): 6.8e-13
+        assert torch.isfinite(a).all() and torch.isfinite(b).all() and rel_err(a, b) < 7e-12, name
     cut = torch.isinf(g)
     assert (ref[5][cut] == 0).all() and (out[5][cut] == 0).all()
     o_after, _ = kla_chunkwise(*(x[:, 17:] for x in (q, k, v, g, eta)), chunk_size=C)
@@ -197,7 +199,7 @@ def test_strongly_negative_gates_float32(fn):
         ref = outputs_and_grads(kla_recurrent, inputs)
         out = outputs_and_grads(fn, [x.float() for x in inputs])
         for name, a, b in zip(NAMES, out, ref):
-            assert rel_err(a, b) < 1e-4, name
+            assert rel_err(a, b) < 2e-6, name  # about 10x the error measured (float32): 1.6e-7
 
 
 def test_bf16_inputs_keep_dtype_and_state_float32():
@@ -214,7 +216,7 @@ def test_chunk_size_invariance(C):
     ref = outputs_and_grads(kla_chunkwise, inputs, chunk_size=64)
     out = outputs_and_grads(kla_chunkwise, inputs, chunk_size=C)
     for name, a, b in zip(NAMES, out, ref):
-        assert rel_err(a, b) < 1e-10, name
+        assert rel_err(a, b) < 2e-14, name  # about 10x the error measured (float64): 1.3e-15
 
 
 @pytest.mark.parametrize("fn", [kla_recurrent, kla_chunkwise])
@@ -224,19 +226,20 @@ def test_split_sequence_with_carried_state(fn):
     s = 41
     o1, S1 = fn(q[:, :s], k[:, :s], v[:, :s], g[:, :s], eta[:, :s], initial_state=h0, output_final_state=True)
     o2, S2 = fn(q[:, s:], k[:, s:], v[:, s:], g[:, s:], eta[:, s:], initial_state=S1, output_final_state=True)
-    assert rel_err(torch.cat([o1, o2], 1), o) < 1e-12 and rel_err(S2, S) < 1e-12
+    # about 10x the error measured (float64): 8.2e-16
+    assert rel_err(torch.cat([o1, o2], 1), o) < 9e-15 and rel_err(S2, S) < 9e-15
 
 
 def test_scale_and_gdn_beta():
     q, k, v, g, eta, h0 = make_inputs(T=5)
     o1, _ = kla_recurrent(q, k, v, g, eta, scale=1.0)
     o2, _ = kla_recurrent(q, k, v, g, eta)
-    assert rel_err(o2, o1 * q.shape[-1] ** -0.5) < 1e-12
+    assert rel_err(o2, o1 * q.shape[-1] ** -0.5) < 2e-15  # about 10x the error measured (float64): 1.5e-16
     # GDN with unit keys and eta equals KLA with the same keys and eta * (1 + eps)
     kn = F.normalize(k, dim=-1)
     o_gdn, _ = kla_recurrent(q, kn, v, g, eta, kaczmarz=False)
     o_kla, _ = kla_recurrent(q, kn, v, g, eta * (1 + 1e-6))
-    assert rel_err(o_gdn, o_kla) < 1e-12
+    assert rel_err(o_gdn, o_kla) < 2e-15  # about 10x the error measured (float64): 1.6e-16
 
 # -----------------------------------------------------------------------------
 # The four properties of the Kaczmarz step (eta = 1, eps = 0, no decay), and the partial step
@@ -265,7 +268,7 @@ def test_property_projection(step_case):
     """(1) After the write the state reproduces the value exactly: S_t^T k_t = v_t."""
     S0, k, v = step_case
     S1 = one_write(S0, k, v)
-    assert rel_err(S1.T @ k, v) < 1e-13
+    assert rel_err(S1.T @ k, v) < 2e-14  # about 10x the error measured (float64): 1.9e-15
     assert rel_err(S0.T @ k, v) > 0.1  # it did not hold before
 
 
@@ -278,7 +281,7 @@ def test_property_minimum_norm(step_case):
     for _ in range(20):
         N = torch.randn(S0.shape, dtype=torch.float64, generator=gen)
         N = N - torch.outer(khat, khat @ N)  # N^T k = 0, so S1 + N is feasible too
-        assert rel_err((S1 + N).T @ k, v) < 1e-12
+        assert rel_err((S1 + N).T @ k, v) < 4e-14  # about 10x the error measured (float64): 3.4e-15
         assert (S1 + N - S0).norm() > (S1 - S0).norm()
     # the change is exactly rank one along k
     assert torch.linalg.matrix_rank(S1 - S0).item() == 1
@@ -305,7 +308,8 @@ def test_property_normalised_sgd(step_case):
     S = S0.clone().requires_grad_()
     (grad,) = torch.autograd.grad(0.5 * (S.T @ k - v).pow(2).sum(), S)
     for eta in (1.0, 0.3):
-        assert rel_err(one_write(S0, k, v, eta=eta), S0 - eta / (k @ k) * grad) < 1e-13
+        # about 10x the error measured (float64): 2.1e-17
+        assert rel_err(one_write(S0, k, v, eta=eta), S0 - eta / (k @ k) * grad) < 3e-16
 
 
 def test_partial_step_shrinks_residual(step_case):
@@ -314,7 +318,7 @@ def test_partial_step_shrinks_residual(step_case):
     eta, eps = 0.4, 0.5
     S1 = one_write(S0, k, v, eta=eta, eps=eps)
     shrink = 1 - eta * (k @ k) / (k @ k + eps)
-    assert rel_err(v - S1.T @ k, shrink * (v - S0.T @ k)) < 1e-13
+    assert rel_err(v - S1.T @ k, shrink * (v - S0.T @ k)) < 2e-15  # about 10x the error measured (float64): 1.7e-16
 
 # -----------------------------------------------------------------------------
 # Errors
@@ -393,7 +397,8 @@ def test_references_packed_equal_separate(use_h0):
             out = outputs_and_grads(fn, inputs, use_h0, cu_seqlens=cu_seqlens, **kw)
             assert out[1].shape == (len(SEQ_LENS), 2, 8, 6)
             for name, a, b in zip(NAMES, out, ref):
-                assert a.shape == b.shape and rel_err(a, b) < 1e-10, (fn.__name__, name)
+                # about 10x the error measured (float64): 1.3e-15
+                assert a.shape == b.shape and rel_err(a, b) < 2e-14, (fn.__name__, name)
 
 
 def test_cu_seqlens_errors():
@@ -644,6 +649,8 @@ try:
     model.resolve_backend("triton", "cuda")
 except RuntimeError as err:
     assert "needs Triton" in str(err)
+else:
+    raise AssertionError("backend 'triton' without Triton raised no error")
 """
 
 
@@ -819,13 +826,18 @@ def test_no_weight_decay_on_vectors():
 
 
 def test_flops_and_mfu():
+    """The FLOPs per token counted here by hand for tiny_config (n_embd 32, 2 heads, 2 layers, chunks of 16, d_k 12,
+    d_v 24): 6 per weight, and per layer and head 3 x (4 C (d_k + d_v) + 6 d_k d_v) for KLA, 3 x 2 d T for causal
+    attention; MFU is those FLOPs times the tokens a second over the peak."""
     m = GPT(tiny_config("kla"))
-    f_kla = m.flops_per_token(64)
-    assert f_kla > 6 * m.get_num_params()
-    assert m.estimate_mfu(tokens_per_iter=1000, dt=1.0, peak_flops=f_kla * 1000) == pytest.approx(1.0)
+    n_weights = sum(p.numel() for p in m.parameters())
+    f_kla = 6 * n_weights + 3 * 2 * 2 * (4 * 16 * (12 + 24) + 6 * 12 * 24)
+    assert m.flops_per_token(64) == f_kla
+    assert m.estimate_mfu(tokens_per_iter=1000, dt=0.5, peak_flops=1e12) == pytest.approx(f_kla * 1000 / 0.5 / 1e12)
     attn = GPT(tiny_config("attn"))
-    assert attn.flops_per_token(2048) > attn.flops_per_token(64)  # attention grows with T, KLA does not
-    assert m.flops_per_token(2048) == m.flops_per_token(4096)
+    n_attn = sum(p.numel() for p in attn.parameters())
+    assert attn.flops_per_token(2048) == 6 * n_attn + 3 * 2 * 2 * 32 * 2048  # attention grows with T, KLA does not
+    assert m.flops_per_token(2048) == m.flops_per_token(4096) == f_kla
 
 
 @pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow),
@@ -850,27 +862,28 @@ def test_model_trains(mixer):
 # kernel.py in Triton's interpreter on CPU tensors, against the float64 reference: float32 here, bf16 with the
 # interpreter's bf16 products and casts made the GPU's (bf16_interpreter, below) and on the GPU by test_gpu.py.
 
-KERNEL_CASES = [  # (B, T, H, K, V, initial state, kaczmarz, log10 of the key norms)
-    (1, 1, 2, 32, 32, True, True, (-2, 2)),
-    (1, 1, 1, 32, 16, False, True, (-0.3, 0.3)),
-    (2, 50, 2, 32, 32, True, True, (-2, 2)),
+KERNEL_CASES = [  # (B, T, H, K, V, initial state, kaczmarz, log10 of the key norms, tolerance): the tolerance
+    # about 10x the largest error measured over o, the final state and the gradients, the error in the comment
+    (1, 1, 2, 32, 32, True, True, (-2, 2), 3e-6),  # 2.5e-7
+    (1, 1, 1, 32, 16, False, True, (-0.3, 0.3), 3e-6),  # 2.7e-7
+    (2, 50, 2, 32, 32, True, True, (-2, 2), 9e-6),  # 8.5e-7
     *(pytest.param(*case, marks=pytest.mark.slow) for case in [  # longer sequences, more blocks: slow in the interpreter
-        (1, 64, 1, 64, 32, False, True, (-2, 2)),
-        (1, 130, 2, 48, 40, True, True, (-1, 1)),
-        (1, 100, 1, 32, 64, True, False, (0, 0)),
-        (1, 200, 1, 16, 16, False, False, (-0.5, 0)),
-        (1, 70, 1, 96, 32, True, True, (-1, 1)),  # d_k 96 (the model's): the key block padded to 128
+        (1, 64, 1, 64, 32, False, True, (-2, 2), 2e-5),  # 1.8e-6
+        (1, 130, 2, 48, 40, True, True, (-1, 1), 2e-5),  # 1.2e-6
+        (1, 100, 1, 32, 64, True, False, (0, 0), 9e-6),  # 8.2e-7
+        (1, 200, 1, 16, 16, False, False, (-0.5, 0), 1e-5),  # 1.0e-6
+        (1, 70, 1, 96, 32, True, True, (-1, 1), 7e-6),  # 6.0e-7; d_k 96 (the model's): the key block padded to 128
     ]),
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,V,use_h0,kaczmarz,norm_range", KERNEL_CASES)
-def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range):
+@pytest.mark.parametrize("B,T,H,K,V,use_h0,kaczmarz,norm_range,tol", KERNEL_CASES)
+def test_kernel_matches_float64(B, T, H, K, V, use_h0, kaczmarz, norm_range, tol):
     inputs = make_inputs(B, T, H, K, V, norm_range=norm_range)
     ref = outputs_and_grads(kla_recurrent, inputs, use_h0, kaczmarz=kaczmarz)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], use_h0, kaczmarz=kaczmarz)
     for name, a, b in zip(NAMES, out, ref):
-        assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
+        assert a.dtype == torch.float32 and rel_err(a, b) < tol, name
 
 
 @pytest.fixture
@@ -963,7 +976,7 @@ def test_kernel_split_output_without_autograd_matches_float64(monkeypatch):
     with torch.no_grad():
         o, ht = kernel.kla_chunk(*(x.float() for x in inputs[:5]), initial_state=inputs[5].float(),
                                  output_final_state=True)
-    assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
+    assert rel_err(o, ref[0]) < 6e-6 and rel_err(ht, ref[1]) < 6e-6  # about 10x the error measured (float32): 5.1e-7
 
 
 @pytest.mark.slow
@@ -976,11 +989,11 @@ def test_kernel_other_forward_path_matches_float64(monkeypatch):
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
     for name, a, b in zip(NAMES, out, ref):
-        assert rel_err(a, b) < 1e-4, name
+        assert rel_err(a, b) < 2e-5, name  # about 10x the error measured (float32): 1.5e-6
     with torch.no_grad():
         o, ht = kernel.kla_chunk(*(x.float() for x in inputs[:5]), initial_state=inputs[5].float(),
                                  output_final_state=True)
-    assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
+    assert rel_err(o, ref[0]) < 6e-6 and rel_err(ht, ref[1]) < 6e-6  # about 10x the error measured (float32): 5.1e-7
 
 
 @pytest.mark.slow
@@ -994,7 +1007,7 @@ def test_kernel_value_blocks_match_float64(bv, stages, monkeypatch):
     ref = outputs_and_grads(kla_recurrent, inputs, True)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], True)
     for name, a, b in zip(NAMES, out, ref):
-        assert rel_err(a, b) < 1e-4, name
+        assert rel_err(a, b) < 1e-5, name  # about 10x the error measured (float32): 9.7e-7
 
 
 @pytest.mark.slow
@@ -1007,9 +1020,10 @@ def test_kernel_edge_values():
     ref = outputs_and_grads(kla_chunkwise, [q, k, v, g, eta, h0], eps=0.0)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in (q, k, v, g, eta, h0)], eps=0.0)
     for name, a, b in zip(NAMES, out, ref):
-        assert torch.isfinite(a).all() and rel_err(a, b) < 1e-4, name
+        assert torch.isfinite(a).all() and rel_err(a, b) < 4e-6, name  # about 10x the error measured (float32): 4.0e-7
     o, h1 = kernel.kla_step(*(x[:, 5:6].float() for x in (q, k, v, g, eta)), h0.float(), eps=0.0)
-    assert torch.isfinite(o).all() and rel_err(h1, g[:, 5].exp()[..., None, None] * h0) < 1e-6
+    # about 10x the error measured (float32): 6.2e-8
+    assert torch.isfinite(o).all() and rel_err(h1, g[:, 5].exp()[..., None, None] * h0) < 7e-7
 
 
 @pytest.mark.slow
@@ -1029,7 +1043,7 @@ def test_kernel_full_forgetting_and_strong_gates():
         assert (out[5][torch.isinf(gates)] == 0).all()
     o, h1 = kernel.kla_step(*(x[:, :1].float() for x in (q, k, v, g, eta)), h0.float())
     o_ref, h1_ref = kla_recurrent(*(x[:, :1] for x in (q, k, v, g, eta)), output_final_state=True)
-    assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
+    assert rel_err(o, o_ref) < 2e-6 and rel_err(h1, h1_ref) < 2e-6  # about 10x the error measured (float32): 1.4e-7
 
 
 def test_kernel_argument_errors(monkeypatch):
@@ -1113,7 +1127,8 @@ def test_kernel_noncontiguous_no_grad_and_scale():
     o_ref, ht_ref = kla_recurrent(*(x.double() for x in (q, k, v, g, eta)), scale=0.3,
                                   initial_state=h0.double(), output_final_state=True)
     assert none is None and o.dtype == q.dtype and ht.dtype == torch.float32
-    assert rel_err(o, o_ref) < 1e-5 and rel_err(ht, ht_ref) < 1e-5 and torch.equal(o, o_nf)
+    # about 10x the error measured (float32): 4.4e-7
+    assert rel_err(o, o_ref) < 5e-6 and rel_err(ht, ht_ref) < 5e-6 and torch.equal(o, o_nf)
 
 
 @pytest.mark.parametrize("kaczmarz", [True, False])
@@ -1123,7 +1138,7 @@ def test_kernel_step_matches_recurrent(kaczmarz):
     o_ref, h1_ref = kla_recurrent(*(x.double() for x in (q, k, v, g, eta)), initial_state=h0.double(),
                                   output_final_state=True, kaczmarz=kaczmarz)
     assert o.shape == (3, 1, 2, 40) and h1.dtype == torch.float32
-    assert rel_err(o, o_ref) < 1e-5 and rel_err(h1, h1_ref) < 1e-5
+    assert rel_err(o, o_ref) < 2e-6 and rel_err(h1, h1_ref) < 2e-6  # about 10x the error measured (float32): 1.6e-7
     state = h0.clone()  # in place: the new state written over the old one
     o2, h2 = kernel.kla_step(q, k, v, g, eta, state, kaczmarz=kaczmarz, out_state=state)
     assert h2 is state and torch.equal(state, h1) and torch.equal(o2, o)
@@ -1162,11 +1177,12 @@ def test_kernel_packed_matches_float64(lens, use_h0, fuse_o, monkeypatch):
     ref = outputs_and_grads(separately(kla_recurrent, cu), inputs, use_h0)
     out = outputs_and_grads(kernel.kla_chunk, [x.float() for x in inputs], use_h0, cu_seqlens=cu.int())
     for name, a, b in zip(NAMES, out, ref):
-        assert a.dtype == torch.float32 and a.shape == b.shape and rel_err(a, b) < 1e-4, name
+        # about 10x the error measured (float32): 8.8e-7
+        assert a.dtype == torch.float32 and a.shape == b.shape and rel_err(a, b) < 9e-6, name
     with torch.no_grad():
         o, ht = kernel.kla_chunk(*(x.float() for x in inputs[:5]), initial_state=inputs[5].float() if use_h0 else None,
                                  output_final_state=True, cu_seqlens=cu)
-    assert rel_err(o, ref[0]) < 1e-4 and rel_err(ht, ref[1]) < 1e-4
+    assert rel_err(o, ref[0]) < 6e-6 and rel_err(ht, ref[1]) < 6e-6  # about 10x the error measured (float32): 5.3e-7
 
 
 @pytest.mark.slow
@@ -1181,7 +1197,7 @@ def test_kernel_packed_layout_follows_cu_seqlens():
             o, _ = kernel.kla_chunk(*x, cu_seqlens=cu)
             o2, _ = model.linear_attention(*x, backend="triton", cu_seqlens=cu)
             ref, _ = kla_recurrent(*inputs[:5], cu_seqlens=cu)
-            assert rel_err(o, ref) < 1e-4 and torch.equal(o, o2)
+            assert rel_err(o, ref) < 4e-6 and torch.equal(o, o2)  # about 10x the error measured (float32): 3.7e-7
     with torch.inference_mode():  # inference tensors (no version counter) the same
         cu_inf = cu.clone()
         o3, _ = kernel.kla_chunk(*x, cu_seqlens=cu_inf)
@@ -1208,15 +1224,27 @@ def test_kernel_packed_layout_follows_values_written_without_a_version_bump():
 @pytest.mark.slow
 def test_kernel_operator_registration():
     """kla::chunk and its backward are PyTorch operators: torch.library.opcheck tests their schema, fake
-    (shape-only) versions and autograd formula against running them, dense and packed."""
-    q, k, v, g, eta, h0 = (x.float() for x in make_inputs(B=1, T=70, K=16, V=8, norm_range=(0.3, 3.0)))
+    (shape-only) versions and autograd formula against running them, dense and packed; the operator's output,
+    final state and gradients (through its registered autograd formula) equal the float64 reference's."""
+    inputs = make_inputs(B=1, T=70, K=16, V=8, norm_range=(0.3, 3.0))
+    q, k, v, g, eta, h0 = (x.float() for x in inputs)
     for x in (q, k, v, g, eta, h0):
         x.requires_grad_(True)
-    layout = kernel._check_cu_seqlens(torch.tensor([0, 30, 31, 70]), q)
+    cu = torch.tensor([0, 30, 31, 70])
+    layout = kernel._check_cu_seqlens(cu, q)
     for args in (((None,) * 4, (2, 1)), (layout[:4], layout[4:])):
         h = h0 if args[1][1] == 1 else h0.detach().repeat(3, 1, 1, 1).requires_grad_(True)
         torch.library.opcheck(kernel._chunk_op, (q, k, v, g, eta, h, *args[0], 0.25, 1e-6, True, True, True,
                                                  *args[1]))
+
+        def op(*xs, initial_state=None, output_final_state=True):
+            return kernel._chunk_op(*xs, initial_state, *args[0], 0.25, 1e-6, True, True, True, *args[1])[:2]
+        dense = args[1][1] == 1
+        ref_inputs = inputs[:5] + [inputs[5] if dense else inputs[5].repeat(3, 1, 1, 1)]
+        ref = outputs_and_grads(kla_recurrent if dense else separately(kla_recurrent, cu), ref_inputs, scale=0.25)
+        out = outputs_and_grads(op, [x.detach().float() for x in ref_inputs])
+        for name, a, b in zip(NAMES, out, ref):
+            assert rel_err(a, b) < 5e-6, (dense, name)  # about 10x the error measured (float32): 4.9e-7
 
 
 @pytest.mark.slow
@@ -1227,8 +1255,9 @@ def test_kernel_eager_path_matches_the_operator():
     compiled = torch.compile(kernel.kla_chunk, backend="aot_eager", fullgraph=True)
     a = outputs_and_grads(kernel.kla_chunk, inputs, True)
     b = outputs_and_grads(compiled, inputs, True)
-    for name, x, y in zip(NAMES, a, b):
-        assert torch.equal(x, y), name
+    ref = outputs_and_grads(kla_recurrent, [x.double() for x in inputs], True)
+    for name, x, y, r in zip(NAMES, a, b, ref):
+        assert torch.equal(x, y) and rel_err(y, r) < 5e-6, name  # about 10x the error measured (float32): 4.8e-7
 
 
 @pytest.mark.slow
@@ -1245,8 +1274,9 @@ def test_kernel_ab_tool_loads_another_version():
     inputs = [x.float() for x in make_inputs(1, 70, 2, 16, 8, norm_range=(0.3, 3.0))]
     a = outputs_and_grads(other.kla_chunk, inputs, True)
     b = outputs_and_grads(kernel.kla_chunk, inputs, True)
-    for name, x, y in zip(NAMES, a, b):
-        assert torch.equal(x, y), name
+    ref = outputs_and_grads(kla_recurrent, [x.double() for x in inputs], True)
+    for name, x, y, r in zip(NAMES, a, b, ref):
+        assert torch.equal(x, y) and rel_err(x, r) < 5e-6, name  # about 10x the error measured (float32): 4.8e-7
     # the tool's check that the two versions agree: exactly here, and not with another scale
     assert ab_kernel.difference(other, kernel, inputs[:5], True) == 0.0
     chunk = other.kla_chunk
@@ -1351,7 +1381,8 @@ def test_kernel_gradient_through_one_output_alone():
             out = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
             gs = torch.autograd.grad(out[pick].square().sum(), xs, allow_unused=True)  # q: no part in the state
             grads.append([torch.zeros_like(x) if d is None else d for d, x in zip(gs, xs)])
-        assert all(torch.equal(a, b) if not b.any() else rel_err(a, b) < 1e-4 for a, b in zip(grads[1], grads[0]))
+        # about 10x the error measured (float32): 1.4e-6
+        assert all(torch.equal(a, b) if not b.any() else rel_err(a, b) < 2e-5 for a, b in zip(grads[1], grads[0]))
 
 
 @pytest.mark.slow
@@ -3194,6 +3225,30 @@ def test_sample_streams(trained, tmp_path):
 
 
 @pytest.mark.slow
+def test_top_k_samples_only_the_k_most_likely_tokens(trained):
+    """top_k smaller than the vocabulary: at a high temperature, where sampling from all tokens leaves the top 3
+    often, every token sampled with top_k = 3 is among the 3 most likely after its prefix; sample.py with
+    --top_k=1 then samples the greedy text whatever its temperature."""
+    torch.manual_seed(0)
+    m = GPT(tiny_config("kla")).eval()
+    prompt = torch.randint(0, 61, (8, 5))
+
+    def in_top3(out):
+        with torch.no_grad():
+            logits, _ = m(out[:, :-1], targets=out[:, 1:])
+        top3 = logits[:, 4:].topk(3, -1).indices  # (8, 24, 3): after each prefix of the sampled part
+        return (top3 == out[:, 5:, None]).any(-1)
+    assert in_top3(m.generate(prompt, 24, temperature=5.0, top_k=3)).all()
+    assert not in_top3(m.generate(prompt, 24, temperature=5.0)).all()
+    args = [f"--out_dir={trained}", "--num_samples=1", "--max_new_tokens=30", "--device=cpu", "--dtype=float32"]
+    greedy, top1 = (run("sample.py", *args, *opts)
+                    for opts in (["--temperature=0"], ["--temperature=2.0", "--top_k=1"]))
+    assert greedy.returncode == 0 and top1.returncode == 0, greedy.stderr + top1.stderr
+    text = lambda p: p.stdout.split("---------------")[0].rsplit("\nOverriding: ", 1)[1].split("\n", 1)[1]  # noqa: E731
+    assert text(top1) == text(greedy) and len(text(greedy)) > 30
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("args, phrase", [
     (["--start=Zounds é"], "characters not in the vocabulary: 'Zé'"),
     (["--max_new_tokens=0"], "max_new_tokens = 0: must be >= 1"),
@@ -3328,10 +3383,10 @@ def test_step_rules_recurrent_equals_chunkwise_float64(rule, decay):
     rec = outputs_and_grads(kla_recurrent, inputs, rule=rule)
     chunk = outputs_and_grads(kla_chunkwise, inputs, rule=rule, chunk_size=16)
     for name, a, b in zip(NAMES, chunk, rec):
-        assert rel_err(a, b) < 1e-10, name
+        assert rel_err(a, b) < 9e-15, name  # about 10x the error measured (float64): 8.2e-16
     o, S = kla_recurrent(q, k, v, g, hand_beta(rule, k, eta), initial_state=h0, output_final_state=True,
                          kaczmarz=False)
-    assert rel_err(rec[0], o) < 1e-12 and rel_err(rec[1], S) < 1e-12
+    assert rel_err(rec[0], o) < 4e-15 and rel_err(rec[1], S) < 4e-15  # about 10x the error measured (float64): 3.0e-16
 
 
 STEP_MODELS = [dict(step_rule=rule) for rule in model.STEP_RULES] + [dict(decay=False),
@@ -3415,7 +3470,7 @@ def test_step_rules_on_triton_match_float64(rule, capsys):
     ref = outputs_and_grads(kla_recurrent, inputs, rule=rule)
     out = outputs_and_grads(model.linear_attention, [x.float() for x in inputs], backend="triton", rule=rule)
     for name, a, b in zip(NAMES, out, ref):
-        assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
+        assert a.dtype == torch.float32 and rel_err(a, b) < 1e-5, name  # about 10x the error measured (float32): 9.6e-7
     m = GPT(tiny_config("kla", backend="triton", step_rule=rule))
     assert m.set_backend("cpu") == "triton" and all(block.mixer.backend == "triton" for block in m.blocks)
     assert capsys.readouterr().out == ""
