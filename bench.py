@@ -17,7 +17,7 @@ Sections (comma-separated; default kernel,decode):
           --variants=block the variants whose name holds the text).
   tune_decode  kernel_decode.decode_linear's rows a program and warps on GPT-2 small's projections, against cuBLAS.
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
-          (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, their GPTConfig
+          (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, the model's
           switches), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
           training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
@@ -448,14 +448,14 @@ def model_configs(smoke):
 
 
 def train_model(mixer, block_size, device, compiled=False, smoke=None):
-    """mixer: 'kla', 'gdn', 'attn', then ':'-separated GPTConfig switches set True (':recompute',
+    """mixer: 'kla', 'gdn', 'attn', then ':'-separated GPT switches set True (':recompute',
     ':recompute_elementwise', ':fused_loss') and last ':budget=F' (compiled with
     torch._functorch.config.activation_memory_budget = F: the partitioner recomputes to keep that share of the
     activations; set by section_train before the first step, which compiles)."""
     cfg, _ = model_configs(smoke if smoke is not None else device != "cuda")
     mixer, *how = mixer.split(":")
     switches = {s: True for s in how if not s.startswith("budget=")}
-    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **switches, **cfg)).to(device)
+    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **cfg), **switches).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
     if compiled:  # in place: model stays the GPT, with get_num_params and flops_per_token. Static shapes,
@@ -721,7 +721,7 @@ def section_decode_profile(device, smoke):
 def eval_model(mixer, device, smoke, compiled=False):
     cfg, _ = model_configs(smoke)
     # --decode_fused=0: decode KLA / GDN through the layer's PyTorch code and the step kernel instead
-    model = GPT(GPTConfig(mixer=mixer, decode_fused=ARGS.get("decode_fused", "1") == "1", **cfg)).to(device).eval()
+    model = GPT(GPTConfig(mixer=mixer, **cfg), decode_fused=ARGS.get("decode_fused", "1") == "1").to(device).eval()
     model.set_backend(device)
     if device == "cuda":
         model.bfloat16()
@@ -813,7 +813,7 @@ def section_generate(device, smoke):
             model_module.SDPA_BACKENDS = model_module.SDPA_BACKENDS + [model_module.SDPBackend.CUDNN_ATTENTION]
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
             + (" (all SDPA backends)" if all_backends else "") \
-            + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
+            + (" (unfused decode)" if mixer != "attn" and not model.switches["decode_fused"] else "") \
             + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "")
         for batch in (batches[:1] if all_backends else batches):
             for P in (prompts[:1] if all_backends else prompts):

@@ -350,19 +350,9 @@ class GPTConfig:
     mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
     kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
     chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
-    backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
-    decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel,
-                               # and at batch 1 the whole block as three (GPT._decode_fused)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
-    recompute: bool = False    # training: each block's mixer branch recomputed in the backward instead of its
-                               # activations kept (torch.utils.checkpoint): less memory, one more mixer forward
-    recompute_elementwise: bool = False  # training, KLA / GDN: only the elementwise work around the kernel
-                               # recomputed in the backward (DeltaMixer.inputs, .gated), no kernel or matmul run again
-    fused_loss: bool = False   # training (with targets and autograd): the loss and its gradient computed in the forward
-                               # a chunk of rows at a time (FusedCrossEntropy), no (B, T, vocab) logits kept; the
-                               # forward then returns logits None
 
     def __post_init__(self):
         if self.mixer not in ("kla", "gdn", "attn"):
@@ -370,8 +360,6 @@ class GPTConfig:
         if self.step_rule not in ("", *STEP_RULES) or (self.step_rule and self.mixer == "attn"):
             raise ValueError(f"step_rule must be '' (the mixer's own) or, with mixer 'kla' or 'gdn', one of "
                              f"{', '.join(STEP_RULES)}; got {self.step_rule!r} with mixer {self.mixer!r}")
-        if self.recompute_elementwise and self.mixer == "attn":
-            raise ValueError("recompute_elementwise is for the KLA / GDN layer (mixer 'kla' or 'gdn'), not 'attn'")
         if not isinstance(self.decay, bool) or (not self.decay and self.mixer == "attn"):
             raise ValueError(f"decay must be True or False (False only with mixer 'kla' or 'gdn'); got {self.decay!r} "
                              f"with mixer {self.mixer!r}")
@@ -454,7 +442,7 @@ class DeltaMixer(nn.Module):
         H, d = config.n_head, config.n_embd
         self.n_head, self.eps, self.decay = H, config.kla_eps, config.decay
         self.rule = config.step_rule or ("kaczmarz" if config.mixer == "kla" else "unit")
-        self.chunk_size, self.backend = config.chunk_size, config.backend
+        self.chunk_size, self.backend = config.chunk_size, "auto"  # backend: set by GPT.set_switches
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
         # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
         # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
@@ -480,7 +468,7 @@ class DeltaMixer(nn.Module):
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
-        self.recompute = config.recompute_elementwise
+        self.recompute = False  # GPT's switch recompute_elementwise
 
     def forward(self, x, cache=None, cu_seqlens=None):
         """x (B, T, C); cache: this layer's decoding state, read and updated in place; cu_seqlens: packed
@@ -660,7 +648,7 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
-        self.recompute = config.recompute
+        self.recompute = False  # GPT's switch recompute
 
     def mix(self, x, cache=None, cu_seqlens=None):
         return self.drop(self.mixer(self.norm1(x), cache, cu_seqlens))
@@ -754,9 +742,24 @@ class FusedCrossEntropy(torch.autograd.Function):
         return dx * grad, dw * grad, None
 
 
+# How a step is computed, not what: run-time switches of GPT (GPT(config, **switches), set_switches), never saved
+# with the weights. Each has no effect where it does not apply.
+#   backend                'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent': the KLA / GDN layer's path
+#   recompute              training: each block's mixer branch recomputed in the backward instead of its activations
+#                          kept (torch.utils.checkpoint): less memory, one more mixer forward
+#   recompute_elementwise  training, KLA / GDN: only the elementwise work around the kernel recomputed in the backward
+#                          (DeltaMixer.inputs, .gated), no kernel or matmul run again
+#   fused_loss             training (targets and autograd): the loss and its gradient computed in the forward a chunk of
+#                          rows at a time (FusedCrossEntropy), no (B, T, vocab) logits kept; the forward returns logits None
+#   decode_fused           engine.py's decoding on the Triton backend: the mixer between its projections as one kernel,
+#                          and at batch 1 the whole block as three
+SWITCHES = dict(backend="auto", recompute=False, recompute_elementwise=False, fused_loss=False, decode_fused=True)
+BACKENDS = ("auto", "triton", "chunkwise", "recurrent")
+
+
 class GPT(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, **switches):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -770,6 +773,24 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("o_proj.weight") or name.endswith("mlp.down.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.switches = dict(SWITCHES)
+        self.set_switches(**switches)
+
+    def set_switches(self, **switches):
+        """Change run-time switches (SWITCHES) by keyword; a ValueError names an unknown one or a wrong value."""
+        for name, value in switches.items():
+            if name not in SWITCHES:
+                raise ValueError(f"{name!r} is not a switch of the model; the switches are {', '.join(SWITCHES)}")
+            if name == "backend" and value not in BACKENDS:
+                raise ValueError(f"backend must be 'auto', 'triton', 'chunkwise' or 'recurrent', got {value!r}")
+            if name != "backend" and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self.switches.update(switches)
+        for block in self.blocks:
+            block.recompute = self.switches["recompute"]
+            if isinstance(block.mixer, DeltaMixer):
+                block.mixer.backend = self.switches["backend"]
+                block.mixer.recompute = self.switches["recompute_elementwise"]
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -781,15 +802,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counts once
 
     def set_backend(self, device_type):
-        """Choose the linear-attention path once for this device (see resolve_backend)."""
-        backend = resolve_backend(self.config.backend, device_type)
+        """Choose the linear-attention path once for this device (see resolve_backend): the backend switch resolved."""
+        backend = resolve_backend(self.switches["backend"], device_type)
         mixer = self.blocks[0].mixer
         if backend == "triton" and isinstance(mixer, DeltaMixer) and (mixer.dk > 128 or mixer.dv > 1024):
             raise ValueError(f"heads of d_k {mixer.dk}, d_v {mixer.dv}: the Triton kernel takes d_k <= 128 and d_v <= 1024; "
                              "use more heads, or backend='chunkwise'")
-        for block in self.blocks:
-            if isinstance(block.mixer, DeltaMixer):
-                block.mixer.backend = backend
+        self.set_switches(backend=backend)
         return backend
 
     def forward(self, idx, targets=None, cache=None, cu_seqlens=None):
@@ -817,7 +836,7 @@ class GPT(nn.Module):
         if targets is None:
             last = x[:, -1:, :] if cu_seqlens is None else x[0, cu_seqlens[1:].long() - 1, None]  # (B or N, 1, C)
             return self.lm_head(last), None
-        if self.config.fused_loss and torch.is_grad_enabled():  # training: no logits kept, none returned
+        if self.switches["fused_loss"] and torch.is_grad_enabled():  # training: no logits kept, none returned
             return None, FusedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)
         if not torch.is_grad_enabled():  # evaluation: the float32 log-softmax made a chunk of rows at a time
@@ -829,7 +848,7 @@ class GPT(nn.Module):
         """Whether this call decodes one token through kernel_decode's kernels (GPTConfig.decode_fused): KLA or
         GDN on the Triton backend, a cache that holds a state, no autograd. The kernels make eta and the decay from
         the layer's projections and beta from KLA's or GDN's rule: other rules and decay=False decode unfused."""
-        return (cache is not None and idx.shape[1] == 1 and self.config.decode_fused and self.config.mixer != "attn"
+        return (cache is not None and idx.shape[1] == 1 and self.switches["decode_fused"] and self.config.mixer != "attn"
                 and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled()
                 and not (self.training and self.config.dropout)  # the kernels apply no dropout
                 and self.blocks[0].mixer.rule in ("kaczmarz", "unit") and self.config.decay)
@@ -896,19 +915,21 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint, **overrides):
-        """The model of a checkpoint dict from read_checkpoint; overrides change config fields that do not
-        change the weights, such as backend. (Weights of a torch.compile'd model, saved by other code, have
-        their keys under '_orig_mod.'.)"""
-        args = {**checkpoint["model_args"], **overrides}
+        """The model of a checkpoint dict from read_checkpoint; overrides are run-time switches (SWITCHES) or change
+        config fields that do not change the weights, such as dropout. Switches saved in model_args by an older
+        train.py are ignored. (Weights of a torch.compile'd model, saved by other code, have their keys under
+        '_orig_mod.'.)"""
+        switches = {k: overrides.pop(k) for k in SWITCHES if k in overrides}
+        args = {**{k: v for k, v in checkpoint["model_args"].items() if k not in SWITCHES}, **overrides}
         unknown = sorted(args.keys() - {f.name for f in fields(GPTConfig)})
         if unknown:
             raise ValueError(f"checkpoint's model_args hold {unknown[:4]}, which this model.py does not know; it was "
                              "written by a different version of the model")
         try:
             config = GPTConfig(**args)
-        except TypeError as err:  # a value of another type than the field's, e.g. n_layer '4'
+        except (TypeError, ValueError) as err:  # a value of another type than the field's, e.g. n_layer '4'
             raise ValueError(f"checkpoint's model_args do not fit this model.py ({err}): a damaged file") from None
-        model = cls(config)
+        model = cls(config, **switches)
         state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
         ours = model.state_dict()
         missing, unexpected = ours.keys() - state.keys(), state.keys() - ours.keys()

@@ -441,6 +441,31 @@ def test_model_config_errors():
     with pytest.raises(ValueError, match="backend"):
         model.resolve_backend("cuda-magic", "cpu")
 
+def test_switches_are_run_time_settings():
+    """The run-time switches (model.SWITCHES) are GPT's, not GPTConfig's: set_switches changes them (every layer
+    follows), a wrong name or value is refused in one line before anything changes; a checkpoint whose model_args
+    still hold them loads, their saved values ignored."""
+    m = GPT(GPTConfig(block_size=64, vocab_size=61, n_layer=2, n_head=2, n_embd=32))
+    assert m.switches == model.SWITCHES
+    m.set_switches(backend="recurrent", recompute=True, recompute_elementwise=True)
+    assert m.switches == dict(model.SWITCHES, backend="recurrent", recompute=True, recompute_elementwise=True)
+    assert all(b.recompute and b.mixer.recompute and b.mixer.backend == "recurrent" for b in m.blocks)
+    for kw, phrase in ((dict(fused=True), "'fused' is not a switch of the model; the switches are backend, "),
+                       (dict(backend="fast"), "backend must be 'auto', 'triton', 'chunkwise' or 'recurrent', got 'fast'"),
+                       (dict(recompute=1), "recompute must be True or False, got 1")):
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            m.set_switches(fused_loss=True, **kw)
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            GPT(m.config, **kw)
+    assert not m.switches["fused_loss"]
+    with pytest.raises(TypeError):
+        GPTConfig(backend="triton")
+    old = dict(model=m.state_dict(), model_args=dict(vars(m.config), backend="triton", recompute=True,
+                                                     recompute_elementwise=True, fused_loss=True, decode_fused=False))
+    loaded = GPT.from_checkpoint(old, fused_loss=True, dropout=0.1)
+    assert loaded.switches == dict(model.SWITCHES, fused_loss=True) and loaded.config.dropout == 0.1
+
+
 # -----------------------------------------------------------------------------
 # The model
 
@@ -448,6 +473,12 @@ def test_model_config_errors():
 def tiny_config(mixer, **kw):
     return GPTConfig(**{**dict(block_size=64, vocab_size=61, n_layer=2, n_head=2, n_embd=32, mixer=mixer,
                                chunk_size=16), **kw})
+
+
+def tiny_gpt(mixer, **kw):
+    """GPT(tiny_config(mixer, **kw)), the run-time switches among kw (model.SWITCHES) given to GPT."""
+    switches = {k: kw.pop(k) for k in model.SWITCHES if k in kw}
+    return GPT(tiny_config(mixer, **kw), **switches)
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn", "attn"])
@@ -472,7 +503,7 @@ def test_recompute_same_gradients_less_memory(mixer):
     """recompute=True: the same loss and gradients (dropout included: the recomputed branch draws the same mask),
     and fewer bytes kept for the backward than without."""
     cfg = dict(dropout=0.1, chunk_size=8)
-    plain, ckpt = GPT(tiny_config(mixer, **cfg)), GPT(tiny_config(mixer, recompute=True, **cfg))
+    plain, ckpt = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, recompute=True, **cfg)
     ckpt.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 61, (2, 40))
     grads, kept = [], []
@@ -600,7 +631,7 @@ def test_packed_prompts_decode_as_each_alone(mixer, backend):
     pass, then decoded as one batch: each prompt's greedy tokens and last logits as when it is decoded alone,
     and the cache holds one state and one convolution window per prompt (fp32; 'triton' in the interpreter)."""
     torch.manual_seed(3)
-    m = GPT(tiny_config(mixer, backend=backend, chunk_size=8)).eval()
+    m = tiny_gpt(mixer, backend=backend, chunk_size=8).eval()
     prompts = [torch.randint(0, 61, (n,)) for n in (1, 2, 37, 9)]
     packed = torch.cat(list(m.stream(prompts, 10, temperature=0)), 1)  # (4, 10)
     for p, row in zip(prompts, packed):
@@ -654,7 +685,7 @@ def test_backends_agree_in_the_model():
     torch.manual_seed(0)
     m = GPT(tiny_config("kla"))
     assert m.set_backend("cpu") == "chunkwise"  # 'auto' on a CPU
-    rec = GPT(tiny_config("kla", backend="recurrent"))
+    rec = tiny_gpt("kla", backend="recurrent")
     rec.load_state_dict(m.state_dict())
     assert rec.set_backend("cpu") == "recurrent"
     idx = torch.randint(0, 61, (2, 40))
@@ -697,7 +728,7 @@ def test_layer_on_packed_documents_equals_each_alone(mixer, backend):
     the gradients, of that document run alone (fp32): the state, the short convolutions and attention stay
     within each document. Without cu_seqlens the documents see each other."""
     torch.manual_seed(0)
-    layer = GPT(tiny_config(mixer, backend=backend, chunk_size=8)).blocks[0].mixer
+    layer = tiny_gpt(mixer, backend=backend, chunk_size=8).blocks[0].mixer
     x = torch.randn(1, DOCS[-1], 32, requires_grad=True)
     alone = output_and_grads(layer, each_alone(layer, x), x)
     for cu_seqlens in (DOCS, DOCS.int()):
@@ -713,7 +744,7 @@ def test_model_on_packed_documents_equals_each_alone(mixer, backend):
     """The whole model on packed documents: each document's loss, and the gradients of the mean loss (the
     documents' losses weighted by their lengths), as the documents run one at a time (fp32)."""
     torch.manual_seed(0)
-    m = GPT(tiny_config(mixer, backend=backend, chunk_size=8))
+    m = tiny_gpt(mixer, backend=backend, chunk_size=8)
     idx, targets = torch.randint(0, 61, (2, 1, DOCS[-1]))
     logits, loss = m(idx, targets, cu_seqlens=DOCS)
     token_losses = F.cross_entropy(logits[0], targets[0], reduction="none")
@@ -1262,7 +1293,7 @@ def test_model_compiles_to_one_graph_with_the_kernel():
     """With the kernel as an operator the whole model compiles to one graph (fullgraph=True: no break at the
     mixers), with the eager model's loss and gradients."""
     torch.manual_seed(0)
-    m = GPT(tiny_config("kla", chunk_size=64, backend="triton"))
+    m = tiny_gpt("kla", chunk_size=64, backend="triton")
     idx, tgt = torch.randint(m.config.vocab_size, (2, 2, 70)).unbind(0)
     _, loss = m(idx, tgt)
     ref = torch.autograd.grad(loss, list(m.parameters()))
@@ -1276,7 +1307,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
     through the kernel's decoding step."""
     torch.manual_seed(0)
     ref = GPT(tiny_config("kla", chunk_size=64))
-    tri = GPT(tiny_config("kla", chunk_size=64, backend="triton"))
+    tri = tiny_gpt("kla", chunk_size=64, backend="triton")
     tri.load_state_dict(ref.state_dict())
     assert tri.set_backend("cpu") == "triton"
     idx = torch.randint(0, 61, (2, 70))
@@ -1302,8 +1333,8 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
     size = {"conv_size": 4, **size}
-    fused = GPT(tiny_config(mixer, backend="triton", **size))
-    plain = GPT(tiny_config(mixer, backend="triton", decode_fused=False, **size))
+    fused = tiny_gpt(mixer, backend="triton", **size)
+    plain = tiny_gpt(mixer, backend="triton", decode_fused=False, **size)
     plain.load_state_dict(fused.state_dict())
     for m in (fused, plain):
         m.set_backend("cpu")
@@ -1335,7 +1366,7 @@ def test_fused_decode_step_is_one_graph():
     cache in place) traces as one torch.compile graph holding every layer's mixer (a torch.compiler.disable'd
     mixer ended the graph at the first one), and gives the uncompiled step's logits and cache."""
     torch.manual_seed(0)
-    m = GPT(tiny_config("kla", backend="triton"))
+    m = tiny_gpt("kla", backend="triton")
     m.set_backend("cpu")
     m.eval()
     caches = [m.new_cache(), m.new_cache(), m.new_cache()]  # the last one for the trace, which runs the step
@@ -3099,7 +3130,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
     torch.manual_seed(0)
     prompt = torch.randint(0, 61, (batch, 9))
     for cfg, fused in ((kw, False), ({}, True)):
-        m = GPT(tiny_config("kla", backend="triton", **cfg)).eval()
+        m = tiny_gpt("kla", backend="triton", **cfg).eval()
         m.set_backend("cpu")
         cache = m.new_cache()
         with torch.no_grad():
@@ -3110,7 +3141,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
         raise AssertionError("a fused decoding kernel ran")
     for name in ("kla_decode_mixer", "kla_decode_block", "decode_linear"):
         monkeypatch.setattr(kernel_decode, name, refuse)
-    m = GPT(tiny_config("kla", backend="triton", **kw)).eval()
+    m = tiny_gpt("kla", backend="triton", **kw).eval()
     m.set_backend("cpu")
     out = m.generate(prompt, 6, temperature=0)
     with torch.no_grad():
@@ -3131,7 +3162,7 @@ def test_step_rules_on_triton_match_float64(rule, capsys):
     out = outputs_and_grads(model.linear_attention, [x.float() for x in inputs], backend="triton", rule=rule)
     for name, a, b in zip(NAMES, out, ref):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-4, name
-    m = GPT(tiny_config("kla", backend="triton", step_rule=rule))
+    m = tiny_gpt("kla", backend="triton", step_rule=rule)
     assert m.set_backend("cpu") == "triton" and all(block.mixer.backend == "triton" for block in m.blocks)
     assert capsys.readouterr().out == ""
 
@@ -3818,7 +3849,7 @@ def test_prepare_data_errors_keep_the_old_dataset(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# Training memory switches: GPTConfig.recompute_elementwise and fused_loss change what the forward keeps for the
+# Training memory switches: GPT's recompute_elementwise and fused_loss change what the forward keeps for the
 # backward, not the loss or the gradients
 
 
@@ -3836,14 +3867,20 @@ def loss_and_grads(m, idx, targets, cu_seqlens=None, seed=5):
 def test_memory_switches_same_loss_and_gradients(mixer, backend, packed, switch, monkeypatch):
     """Each switch gives the loss and every parameter's gradient of the model without it (float32, dropout on,
     ignored targets among them; packed documents too), and keeps fewer bytes for the backward."""
-    if mixer == "attn" and switch != "fused_loss":
-        with pytest.raises(ValueError, match="recompute_elementwise is for the KLA / GDN layer"):
-            GPTConfig(mixer="attn", recompute_elementwise=True)
+    if mixer == "attn" and switch == "recompute_elementwise":  # no effect on attention layers: the same step
+        cfg = dict(dropout=0.1, chunk_size=8)
+        plain, switched = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, recompute_elementwise=True, **cfg)
+        switched.load_state_dict(plain.state_dict())
+        idx = torch.randint(0, 61, (1 if packed else 2, DOCS[-1] if packed else 40))
+        cu_seqlens = DOCS if packed else None
+        for a, b in zip(loss_and_grads(plain, idx, idx, cu_seqlens), loss_and_grads(switched, idx, idx, cu_seqlens),
+                        strict=True):
+            assert torch.equal(a, b)
         return
     monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # chunks of 7 rows: several, the last shorter
     switches = ["recompute_elementwise", "fused_loss"] if switch == "both" else [switch]
     cfg = dict(dropout=0.1, chunk_size=8, backend=backend)
-    plain, lean = GPT(tiny_config(mixer, **cfg)), GPT(tiny_config(mixer, **cfg, **dict.fromkeys(switches, True)))
+    plain, lean = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, **cfg, **dict.fromkeys(switches, True))
     lean.load_state_dict(plain.state_dict())
     idx, targets = torch.randint(0, 61, (2, 1 if packed else 2, DOCS[-1] if packed else 40))
     targets[0, :3] = -1
@@ -3864,7 +3901,7 @@ def test_memory_switches_same_loss_and_gradients(mixer, backend, packed, switch,
 def test_fused_loss_only_when_training():
     """fused_loss: with gradients the forward returns no logits (none are kept); without (evaluation), the logits
     and the same loss as before; every target ignored gives the same NaN loss as F.cross_entropy's mean."""
-    plain, fused = GPT(tiny_config("kla")), GPT(tiny_config("kla", fused_loss=True))
+    plain, fused = tiny_gpt("kla"), tiny_gpt("kla", fused_loss=True)
     fused.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 61, (2, 20))
     logits, loss = fused(idx, idx)

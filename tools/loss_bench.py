@@ -2,8 +2,8 @@
 The training loss's cost alone: the tied lm_head and the cross-entropy, forward and backward, compiled, at the
 whole model's training shape (32 x 2048 rows of width 768, vocabulary 50304, bf16 autocast), in one process:
 
-    logits      F.linear, then F.cross_entropy on the float32 logits (GPTConfig.fused_loss off)
-    fused@2^N   model.FusedCrossEntropy (GPTConfig.fused_loss) with model.LOSS_CHUNK = 2^N logits a chunk
+    logits      F.linear, then F.cross_entropy on the float32 logits (the fused_loss switch off)
+    fused@2^N   model.FusedCrossEntropy (the fused_loss switch) with model.LOSS_CHUNK = 2^N logits a chunk
 
     python3 tools/loss_bench.py                      # on a GPU: ms a call (median), peak GiB, and the gradients'
                                                      # largest difference from the 'logits' row's
