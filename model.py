@@ -238,7 +238,7 @@ except ModuleNotFoundError as err:
     _no_triton = err
 else:
     import kernel
-    import kernel_decode
+    import kernel_decode  # engine.py's fused decoding
 
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
@@ -525,33 +525,6 @@ class DeltaMixer(nn.Module):
         return self.o_norm(o.to(dtype)) * F.silu(gate.reshape(o.shape))
 
 
-@torch.library.custom_op("kla::decode_mixer", mutates_args=("conv_q", "conv_k", "conv_v", "state"))
-def _decode_mixer_op(xp: torch.Tensor, conv_q: torch.Tensor, conv_k: torch.Tensor, conv_v: torch.Tensor,
-                     w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                     eta_bias: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor, n_head: int, eps: float,
-                     norm_eps: float, kaczmarz: bool) -> torch.Tensor:
-    """kernel_decode.kla_decode_mixer as a PyTorch operator that updates the cache's buffers in place, so that
-    torch.compile keeps a decoding step whole (one graph around the twelve mixers, their norms and residual
-    adds fused with their neighbours) where a graph break at each mixer left them as separate kernels."""
-    return kernel_decode.kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias,
-                                          norm_weight, state, n_head=n_head, eps=eps, norm_eps=norm_eps,
-                                          kaczmarz=kaczmarz)
-
-
-@_decode_mixer_op.register_fake
-def _(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias, norm_weight, state, n_head, eps, norm_eps,
-      kaczmarz):
-    return xp.new_empty(xp.shape[0], state.shape[1] * state.shape[3])
-
-
-def _decode_mixer(m, xp, st):
-    """The lines of DeltaMixer m's forward between its two projections for one token (xp (B, in_proj's outputs)),
-    as one kernel (kernel_decode.kla_decode_mixer): the output (B, H dv) before o_proj."""
-    return _decode_mixer_op(xp[:, :sum(m.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
-                            m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight,
-                            st["state"], m.n_head, m.eps, m.o_norm.eps, m.rule == "kaczmarz")
-
-
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
 # key length every token (bench.py's generate section times both)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -661,13 +634,6 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
-# The segment of a long prompt that KLA / GDN read at a time (GPT.stream, sample.py): their prefill's memory stays flat in
-# the prompt's length. On an H200 (GPT-2 small, bf16, batch 1; python3 tools/prefill_segments.py,
-# results/bench_h200/prefill_segments.md), 16384 tokens with the CUDA graph of a segment take 1.05 / 1.07 / 1.08x the
-# one pass at 32K / 64K / 128K, peak 1.67 -> 1.83 GiB against the one pass's 1.15 -> 3.67; 8192 take 1.24-1.27x at
-# 0.98 -> 1.16 GiB, 32768 1.03-1.05x at 3.01 -> 3.10 GiB (more than the one pass's 2.00 at 64K).
-PREFILL_SEGMENT = 16384
-
 # Logits a chunk of the loss (FusedCrossEntropy, evaluation): 5,336 rows at vocabulary 50304. The fused loss's
 # forward + backward alone at 32 x 2048 tokens, width 768, compiled, on an H200 (python3 tools/loss_bench.py,
 # results/bench_h200/loss.md): 2^27 33.7 ms at 0.48 GiB, 2^28 31.1 ms at 0.98 GiB, 2^29 30.1 ms at 1.98 GiB, against
@@ -742,6 +708,27 @@ class FusedCrossEntropy(torch.autograd.Function):
         return dx * grad, dw * grad, None
 
 
+def check_sampling(temperature, top_k):
+    """A ValueError naming a temperature or top_k that sampling cannot take."""
+    if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) and 0 <= temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None (all tokens), got {top_k!r}")
+
+
+def sample_next(logits, temperature, top_k):
+    """The next token (B, 1) from the logits (B, vocab): their argmax at temperature 0, else drawn from the softmax
+    of logits / temperature over the top_k most likely tokens (None: all)."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+
 # How a step is computed, not what: run-time switches of GPT (GPT(config, **switches), set_switches), never saved
 # with the weights. Each has no effect where it does not apply.
 #   backend                'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent': the KLA / GDN layer's path
@@ -768,7 +755,6 @@ class GPT(nn.Module):
         self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
-        self.segment_graphs = {}  # prefill's CUDA-graph steps, made once per shape (prefill with cuda_graph)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("o_proj.weight") or name.endswith("mlp.down.weight"):
@@ -827,8 +813,6 @@ class GPT(nn.Module):
                                  f"only; got mixer {self.config.mixer!r} and a cache that "
                                  f"{'holds a state' if any(cache) else 'is empty'}")
             check_cu_seqlens(cu_seqlens, idx)
-        if targets is None and self._decodes_fused(idx, cache):
-            return self._decode_fused(idx, cache), None
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i], cu_seqlens)
@@ -843,49 +827,6 @@ class GPT(nn.Module):
             return logits, chunked_cross_entropy(logits, targets)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-    def _decodes_fused(self, idx, cache):
-        """Whether this call decodes one token through kernel_decode's kernels (GPTConfig.decode_fused): KLA or
-        GDN on the Triton backend, a cache that holds a state, no autograd. The kernels make eta and the decay from
-        the layer's projections and beta from KLA's or GDN's rule: other rules and decay=False decode unfused."""
-        return (cache is not None and idx.shape[1] == 1 and self.switches["decode_fused"] and self.config.mixer != "attn"
-                and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled()
-                and not (self.training and self.config.dropout)  # the kernels apply no dropout
-                and self.blocks[0].mixer.rule in ("kaczmarz", "unit") and self.config.decay)
-
-    def _decode_fused(self, idx, cache):
-        """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,
-        with the weights and the cache's buffers in one dtype (not under autocast), every block and the head run
-        as kernels alone (_decode_fused_batch1); else each mixer runs between its projections as one kernel
-        (kernel_decode.kla_decode_mixer) and the rest of the model as its layers."""
-        x = self.wte(idx)  # (B, 1, C)
-        if x.shape[0] == 1 and x.dtype == cache[0]["q_conv"].dtype:
-            return self._decode_fused_batch1(x, cache)
-        B = x.shape[0]
-        for block, st in zip(self.blocks, cache):
-            m = block.mixer
-            o = _decode_mixer(m, m.in_proj(block.norm1(x)).view(B, -1), st)  # (B, H dv)
-            x = x + m.o_proj(o.view(B, 1, -1))
-            x = x + block.mlp(block.norm2(x))
-        return self.lm_head(self.norm_f(x))
-
-    @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
-    def _decode_fused_batch1(self, x, cache):
-        """Each block as three kernels (kernel_decode.kla_decode_block): RMSNorm + the mixer's input projection + the
-        short convolutions; the state step, each head's values over several programs, with their share of the output
-        projection; the heads' RMSNorm, the residual, RMSNorm and the MLP with the residual. The residual stream
-        between blocks in float32. Then norm_f + lm_head as one more (kernel_decode.decode_linear)."""
-        x = x.view(1, -1)
-        for block, st in zip(self.blocks, cache):
-            m = block.mixer
-            x = kernel_decode.kla_decode_block(
-                x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
-                m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
-                m.o_proj.weight, block.norm2.weight, block.mlp.gate_up.weight, block.mlp.down.weight,
-                n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
-                kaczmarz=m.rule == "kaczmarz")
-        return kernel_decode.decode_linear(x, self.lm_head.weight, norm_weight=self.norm_f.weight,
-                                           norm_eps=self.norm_f.eps).view(1, 1, -1)
 
     def new_cache(self):
         return [dict() for _ in self.blocks]
@@ -946,130 +887,16 @@ class GPT(nn.Module):
         return model
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False, prefill_chunk=PREFILL_SEGMENT):
-        """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
-        path, in segments of prefill_chunk tokens for KLA / GDN (the state carried across them, so that
-        memory does not grow with the prompt); every later token costs O(1) from the carried state
-        (attention: its KV cache). cuda_graph: replay each decoding step, and a long prompt's segments, from
-        CUDA graphs (KLA / GDN on CUDA), without per-kernel launch costs. idx may also be a list of N 1-D prompts of different lengths
-        (KLA / GDN): they are read in one pass, packed (cu_seqlens), then decoded together as a batch of N."""
-        cache = self.new_cache()
-        if isinstance(idx, (list, tuple)):
-            logits = self.prefill_packed(idx, cache)
-        else:
-            logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk, cuda_graph)
-        greedy = temperature == 0
-        step = self.decode_step(cache, logits.shape[0], cuda_graph, greedy=greedy) if max_new_tokens > 1 else None
-        for i in range(max_new_tokens):
-            if not greedy or i == 0:
-                logits = logits[:, -1, :].float()
-                if temperature == 0:
-                    idx_next = logits.argmax(-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                        logits[logits < v[:, [-1]]] = -float("inf")
-                    idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            yield idx_next
-            if i + 1 < max_new_tokens:
-                if greedy:  # the step returns the next token itself
-                    idx_next = step(idx_next)
-                else:
-                    logits = step(idx_next)
-
-    @torch.no_grad()
-    def prefill(self, idx, cache, segment, cuda_graph=False):
-        """Read idx (B, T) into cache in segments of `segment` tokens, the state carried across them;
-        the logits of the last position. cuda_graph (KLA / GDN, at least two full segments): the full segments
-        after the first replayed from one CUDA graph (decode_step for `segment` tokens; no launch work on the host),
-        made once per batch, segment and weights and kept in segment_graphs for later prompts."""
-        B, T = idx.shape
-        logits, _ = self(idx[:, :segment], cache=cache)  # from the empty cache, which then holds its buffers
-        s, n_full = segment, (T - segment) // segment
-        if cuda_graph and self.config.mixer != "attn" and n_full >= 1:
-            key = (B, segment, self.wte.weight.dtype, self.wte.weight.data_ptr())
-            if key not in self.segment_graphs:
-                static = [{k: v.clone() for k, v in c.items()} for c in cache]
-                self.segment_graphs[key] = static, self.decode_step(static, B, cuda_graph=True, length=segment)
-            static, step = self.segment_graphs[key]
-            for buffers, c in zip(static, cache):
-                for k, buf in buffers.items():
-                    buf.copy_(c[k])
-            for s in range(s, s + n_full * segment, segment):
-                logits = step(idx[:, s:s + segment])
-            s += segment
-            for buffers, c in zip(static, cache):  # the cache's own copies: the graph's buffers serve the next prompt
-                c.update({k: buf.clone() for k, buf in buffers.items()})
-            logits = logits.clone()
-        for s in range(s, T, segment):
-            logits, _ = self(idx[:, s:s + segment], cache=cache)
-        return logits
-
-    @torch.no_grad()
-    def prefill_packed(self, prompts, cache):
-        """Read N 1-D prompts of any lengths into the empty cache in one pass (packed, each from a fresh state):
-        the cache then holds a batch of N. The logits of each prompt's last token (N, 1, vocab)."""
-        if self.config.mixer == "attn":
-            raise ValueError("prompts of different lengths are read packed by KLA / GDN only; for attention pad "
-                             "them to one length (B, T)")
-        if not prompts or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
-            raise ValueError(f"prompts must be a non-empty list of non-empty 1-D token tensors, got "
-                             f"{[tuple(p.shape) if torch.is_tensor(p) else type(p).__name__ for p in prompts]}")
-        lens = torch.tensor([0] + [len(p) for p in prompts])
-        cu_seqlens = lens.cumsum(0).to(device=prompts[0].device, dtype=torch.int32)
-        return self(torch.cat(prompts)[None], cache=cache, cu_seqlens=cu_seqlens)[0]
-
-    def decode_step(self, cache, batch, cuda_graph=False, length=1, greedy=False):
-        """A function tokens (B, length) -> logits (B, 1, vocab) that advances cache by length tokens; greedy: ->
-        the next token (B, 1), the argmax of those logits. With cuda_graph, the state lives in fixed buffers
-        updated in place (the forward's new state is copied back into them), so that the step is captured once
-        and replayed (on CUDA; elsewhere the same in-place step runs directly); greedy, the argmax is part of
-        the graph, which writes it into its own input, so that passing back the token it returned copies
-        nothing."""
-        out = (lambda logits: logits[:, -1].argmax(-1, keepdim=True)) if greedy else (lambda logits: logits)
-        if not cuda_graph:
-            return lambda tok: out(self(tok, cache=cache)[0])
-        if self.config.mixer == "attn":
-            raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
-        tok = torch.zeros(batch, length, dtype=torch.long, device=self.wte.weight.device)
-
-        def step():
-            new = [dict(c) for c in cache]  # the forward reads the buffers and puts its new state here
-            logits, _ = self(tok, cache=new)
-            for buffers, fresh in zip(cache, new):
-                for key, buf in buffers.items():
-                    buf.copy_(fresh[key])
-            return logits
-        if tok.device.type != "cuda":  # no graphs: the same in-place step, run directly
-            return lambda token: (tok.copy_(token), out(step()))[1]
-        saved = [{key: buf.clone() for key, buf in c.items()} for c in cache]
-        side = torch.cuda.Stream()  # warm up (compiles the kernels) outside the graph, as CUDA graphs need
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        for buffers, old in zip(cache, saved):  # undo the warm-up's token
-            for key, buf in buffers.items():
-                buf.copy_(old[key])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()
-            if greedy:
-                tok.copy_(out(logits))
-        last = [None]  # the token the greedy graph returned last, which tok still holds
-
-        def replay(token):
-            if token is not last[0]:
-                tok.copy_(token)
-            graph.replay()
-            if not greedy:
-                return logits
-            last[0] = tok.clone()
-            return last[0]
-        return replay
-
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """nanoGPT's interface: the prompt (B, T) followed by max_new_tokens sampled tokens."""
-        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k)], 1)
+        """nanoGPT's interface: the prompt (B, T) followed by max_new_tokens tokens (temperature 0: greedy; top_k None:
+        all tokens). The simple path: the prompt read in one pass, then one token at a time from the cache
+        (engine.py's Engine is the fast one)."""
+        check_sampling(temperature, top_k)
+        cache = self.new_cache()
+        logits, _ = self(idx, cache=cache)
+        for i in range(max_new_tokens):
+            idx_next = sample_next(logits[:, -1], temperature, top_k)
+            idx = torch.cat([idx, idx_next], 1)
+            if i + 1 < max_new_tokens:
+                logits, _ = self(idx_next, cache=cache)
+        return idx

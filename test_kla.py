@@ -30,6 +30,7 @@ import kernel
 import kernel_decode
 import model
 import prepare_data
+from engine import Engine
 from model import GPT, GPTConfig, kla_chunkwise, kla_recurrent
 
 torch.set_num_threads(2)
@@ -547,6 +548,7 @@ def test_greedy_generate_matches_argmax_of_forward(mixer):
     prompt = torch.randint(0, 61, (2, 7))
     out = m.generate(prompt, max_new_tokens=12, temperature=0)
     assert out.shape == (2, 19) and torch.equal(out[:, :7], prompt)
+    assert torch.equal(Engine(m).generate(prompt, 12, temperature=0), out)  # the fast path: the same tokens
     with torch.no_grad():
         for t in range(7, 19):  # every generated token is the argmax of a fresh full forward
             logits, _ = m(out[:, :t])
@@ -560,8 +562,8 @@ def test_prefill_in_segments(mixer):
     torch.manual_seed(2)
     m = GPT(tiny_config(mixer)).eval()
     prompt = torch.randint(0, 61, (2, 53))
-    one = torch.cat(list(m.stream(prompt, 8, temperature=0, prefill_chunk=53)), 1)
-    seg = torch.cat(list(m.stream(prompt, 8, temperature=0, prefill_chunk=16)), 1)
+    one = torch.cat(list(Engine(m).stream(prompt, 8, temperature=0, prefill_chunk=53)), 1)
+    seg = torch.cat(list(Engine(m).stream(prompt, 8, temperature=0, prefill_chunk=16)), 1)
     assert torch.equal(one, seg)
     with torch.no_grad():
         c1, c2 = m.new_cache(), m.new_cache()
@@ -573,17 +575,18 @@ def test_prefill_in_segments(mixer):
 
 def test_prefill_segments_from_one_graph():
     """prefill with cuda_graph: the full segments after the first through decode_step's in-place step for a
-    segment (a CUDA graph on CUDA, run directly here), kept on the model and used again for the next prompt: the
+    segment (a CUDA graph on CUDA, run directly here), kept on the engine and used again for the next prompt: the
     same logits and cache as plain segments."""
     torch.manual_seed(3)
     m = GPT(tiny_config("kla")).eval()
+    e = Engine(m)
     for T in (16 * 2 + 3, 16 * 3 + 5, 16 * 4):  # one, two, three full segments after the first
         prompt = torch.randint(0, 61, (2, T))
         c1, c2 = m.new_cache(), m.new_cache()
-        plain, graphed = m.prefill(prompt, c1, 16), m.prefill(prompt, c2, 16, cuda_graph=True)
+        plain, graphed = e.prefill(prompt, c1, 16), e.prefill(prompt, c2, 16, cuda_graph=True)
         assert rel_err(graphed, plain) < 1e-6
         assert all(rel_err(a[k], b[k]) < 1e-6 for a, b in zip(c2, c1) for k in a)
-    assert len(m.segment_graphs) == 1
+    assert len(e.segment_graphs) == 1
 
 
 @pytest.mark.parametrize("mixer", ["kla", "gdn"])
@@ -593,11 +596,11 @@ def test_in_place_decoding_step(mixer):
     torch.manual_seed(0)
     m = GPT(tiny_config(mixer)).eval()
     prompt = torch.randint(0, 61, (3, 10))
-    plain = torch.cat(list(m.stream(prompt, 15, temperature=0)), 1)
-    in_place = torch.cat(list(m.stream(prompt, 15, temperature=0, cuda_graph=True)), 1)
+    plain = torch.cat(list(Engine(m).stream(prompt, 15, temperature=0)), 1)
+    in_place = torch.cat(list(Engine(m).stream(prompt, 15, temperature=0, cuda_graph=True)), 1)
     assert torch.equal(plain, in_place)
     with pytest.raises(ValueError, match="fixed-size state"):
-        list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
+        list(Engine(GPT(tiny_config("attn"))).stream(prompt, 3, cuda_graph=True))
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
@@ -611,8 +614,8 @@ def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
     with torch.no_grad():
         c1, c2 = m.new_cache(), m.new_cache()
         for c in (c1, c2):
-            m.prefill(prompt, c, 16)
-        greedy, plain = m.decode_step(c1, 3, cuda_graph, greedy=True), m.decode_step(c2, 3, cuda_graph)
+            Engine(m).prefill(prompt, c, 16)
+        greedy, plain = Engine(m).decode_step(c1, 3, cuda_graph, greedy=True), Engine(m).decode_step(c2, 3, cuda_graph)
         tok = torch.randint(0, 61, (3, 1))
         for _ in range(6):
             want = plain(tok)[:, -1].argmax(-1, keepdim=True)
@@ -620,8 +623,8 @@ def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
             assert got.shape == (3, 1) and torch.equal(got, want)
             tok = got
     torch.manual_seed(1)
-    sampled = torch.cat(list(m.stream(prompt, 20, temperature=5.0, cuda_graph=cuda_graph)), 1)
-    assert sampled.shape == (3, 20) and not torch.equal(sampled, torch.cat(list(m.stream(prompt, 20, temperature=0)), 1))
+    sampled = torch.cat(list(Engine(m).stream(prompt, 20, temperature=5.0, cuda_graph=cuda_graph)), 1)
+    assert sampled.shape == (3, 20) and not torch.equal(sampled, torch.cat(list(Engine(m).stream(prompt, 20, temperature=0)), 1))
 
 
 @pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("gdn", "chunkwise"), ("kla", "recurrent"),
@@ -633,11 +636,11 @@ def test_packed_prompts_decode_as_each_alone(mixer, backend):
     torch.manual_seed(3)
     m = tiny_gpt(mixer, backend=backend, chunk_size=8).eval()
     prompts = [torch.randint(0, 61, (n,)) for n in (1, 2, 37, 9)]
-    packed = torch.cat(list(m.stream(prompts, 10, temperature=0)), 1)  # (4, 10)
+    packed = torch.cat(list(Engine(m).stream(prompts, 10, temperature=0)), 1)  # (4, 10)
     for p, row in zip(prompts, packed):
-        assert torch.equal(torch.cat(list(m.stream(p[None], 10, temperature=0)), 1)[0], row)
+        assert torch.equal(torch.cat(list(Engine(m).stream(p[None], 10, temperature=0)), 1)[0], row)
     cache = m.new_cache()
-    logits = m.prefill_packed(prompts, cache)
+    logits = Engine(m).prefill_packed(prompts, cache)
     with torch.no_grad():
         alone = torch.cat([m(p[None])[0] for p in prompts])
     assert logits.shape == (4, 1, 61) and rel_err(logits, alone) < 1e-5
@@ -649,11 +652,11 @@ def test_packed_prompts_decode_as_each_alone(mixer, backend):
                 for name in ("state", "q_conv", "k_conv", "v_conv"):
                     assert st[name].shape[0] == 4 and rel_err(st[name][n], st1[name][0]) < 1e-5, (n, name)
     with pytest.raises(ValueError, match="empty cache"):
-        m.prefill_packed(prompts, cache)
+        Engine(m).prefill_packed(prompts, cache)
     with pytest.raises(ValueError, match="non-empty 1-D"):
-        m.prefill_packed([prompts[0], prompts[0][:0]], m.new_cache())
+        Engine(m).prefill_packed([prompts[0], prompts[0][:0]], m.new_cache())
     with pytest.raises(ValueError, match="KLA / GDN only"):
-        GPT(tiny_config("attn")).prefill_packed(prompts, [{}])
+        Engine(GPT(tiny_config("attn"))).prefill_packed(prompts, [{}])
 
 
 FALLBACK = """import sys, warnings
@@ -1318,7 +1321,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
     for (name, p1), p2 in zip(ref.named_parameters(), tri.parameters()):
         assert rel_err(p2.grad, p1.grad) < 1e-4, name
     prompt = idx[:, :9]
-    assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
+    assert torch.equal(Engine(tri).generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
 
 
 @pytest.mark.parametrize("mixer,batch,size", [("kla", 2, {}), ("gdn", 2, {}), ("kla", 1, {}), ("gdn", 1, {}),
@@ -1328,7 +1331,7 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel_decode.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
     Triton backend; with the fifth size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
     (the last size: a convolution of 3 in a block of 4, d_v 64 in two value blocks of the state kernel, the
-    heads' norm with an epsilon of its own) as three kernels and the head as one (model.GPT._decode_fused,
+    heads' norm with an epsilon of its own) as three kernels and the head as one (engine.Engine._decode_fused,
     kernel_decode.kla_decode_block and decode_linear) against the same model decoding through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
     buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
@@ -1352,13 +1355,13 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
             m(prompt, cache=c)
         for step in range(5):
             tok = torch.randint(0, 61, (batch, 1))
-            (lf, _), (lp, _) = fused(tok, cache=caches[0]), plain(tok, cache=caches[1])
+            lf, lp = Engine(fused).forward(tok, caches[0]), Engine(plain).forward(tok, caches[1])
             assert rel_err(lf, lp) < 1e-5, step
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
     assert calls == (["block", "block", "head"] * 5 if batch == 1 else [])  # batch 1: two blocks, the head; five tokens
-    assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
+    assert torch.equal(Engine(fused).generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
 def test_fused_decode_step_is_one_graph():
@@ -1374,13 +1377,14 @@ def test_fused_decode_step_is_one_graph():
     with torch.no_grad():
         for c in caches:
             m(torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1)), cache=c)
-        assert m._decodes_fused(tok, caches[0])
-        explained = torch._dynamo.explain(m)(tok, cache=caches[2])
+        e = Engine(m)
+        assert e.decodes_fused(tok, caches[0])
+        explained = torch._dynamo.explain(e.forward)(tok, caches[2])
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
         mixers = [n for n in explained.graphs[0].graph.nodes if "decode_mixer" in str(n.target)]
         assert len(mixers) == m.config.n_layer  # every layer's mixer inside the one graph
         torch._dynamo.reset()
-        (logits, _), (ref, _) = torch.compile(m, backend="eager")(tok, cache=caches[1]), m(tok, cache=caches[0])
+        logits, ref = torch.compile(e.forward, backend="eager")(tok, caches[1]), e.forward(tok, caches[0])
     assert rel_err(logits, ref) < 1e-6
     for a, b in zip(caches[0], caches[1]):
         for key in ("state", "q_conv", "k_conv", "v_conv"):
@@ -3135,7 +3139,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
         cache = m.new_cache()
         with torch.no_grad():
             m(prompt, cache=cache)
-            assert m._decodes_fused(prompt[:, :1], cache) == fused, cfg
+            assert Engine(m).decodes_fused(prompt[:, :1], cache) == fused, cfg
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fused decoding kernel ran")
@@ -3143,7 +3147,7 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
         monkeypatch.setattr(kernel_decode, name, refuse)
     m = tiny_gpt("kla", backend="triton", **kw).eval()
     m.set_backend("cpu")
-    out = m.generate(prompt, 6, temperature=0)
+    out = Engine(m).generate(prompt, 6, temperature=0)
     with torch.no_grad():
         logits, _ = m(out[:, :-1], targets=out[:, 1:])
     assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])

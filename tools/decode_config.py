@@ -1,6 +1,6 @@
 """
 Decoding's kernel configurations timed inside the whole step: GPT-2 small (bench.py's model), each step
-replayed from a CUDA graph (model.stream), ms a step as the median of 3 runs of 128 steps. A single call timed
+replayed from a CUDA graph (Engine.stream), ms a step as the median of 3 runs of 128 steps. A single call timed
 alone (bench.py --section=tune_decode) does not show what a chain of dependent launches waits for.
     python3 tools/decode_config.py                  kernel_decode._linear_config against 2 rows a program and 4
                                                     warps everywhere (8 from K = 2048), alternating, KLA and GDN
@@ -17,6 +17,7 @@ alone (bench.py --section=tune_decode) does not show what a chain of dependent l
                                                     the model compiled as one graph (bench.py --compile_infer=1)
 --prompt=1024 (the prompt before the timed steps), --rounds=5. Prints markdown tables, ms a decoding step.
 """
+import functools
 import os
 import statistics
 import sys
@@ -48,10 +49,15 @@ def use(linear=LINEAR, state=STATE, mlp=MLP):
     kernel_decode._linear_config, kernel_decode._state_config, kernel_decode._mlp_config = linear, state, mlp
 
 
+@functools.cache
+def engine_of(model):
+    return bench.eval_engine(model, BATCH > 1)  # as compiled as the model of main()
+
+
 def ms_per_step(model, n_new=128, runs=3):
     times = []
     for _ in range(runs):
-        stream = model.stream(torch.randint(50304, (BATCH, PROMPT), device="cuda"), n_new + 1, temperature=0,
+        stream = engine_of(model).stream(torch.randint(50304, (BATCH, PROMPT), device="cuda"), n_new + 1, temperature=0,
                               cuda_graph=True)
         next(stream)  # the prompt and the first token
         torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """Batch-1 prefill of KLA (GPT-2 small, bf16 weights, eager) in one pass, and in segments of each size with the state
-carried: plain, and with the full segments replayed from model.prefill's CUDA graph of a segment. Median ms of 3, the
+carried: plain, and with the full segments replayed from Engine.prefill's CUDA graph of a segment. Median ms of 3, the
 first graphed call (which captures), peak memory of each way (the graphed one with its graph's memory pool; no other
 size's graph alive), the graphed logits against the plain segments', and the GPU time of the kernels (torch.profiler)
 of the one pass and of the plain segments, so that the host's share shows.
@@ -14,6 +14,7 @@ segments = [int(s) for s in args.get("segments", "8192").split(",")]
 lengths = [int(t) for t in args.get("lengths", "16384,65536,131072").split(",")]
 bench.ARGS = {}
 model, vocab = bench.eval_model("kla", "cuda", False, False)
+engine = bench.Engine(model)
 
 
 def gpu_ms(fn):
@@ -39,10 +40,10 @@ for T in lengths:
         for seg in segments:
             if seg >= T:
                 continue
-            model.segment_graphs.clear()  # each size's peak without another size's graph
+            engine.segment_graphs.clear()  # each size's peak without another size's graph
             torch.cuda.empty_cache()
-            plain_fn = lambda: model.prefill(idx, model.new_cache(), seg)
-            graph_fn = lambda: model.prefill(idx, model.new_cache(), seg, True)
+            plain_fn = lambda: engine.prefill(idx, model.new_cache(), seg)
+            graph_fn = lambda: engine.prefill(idx, model.new_cache(), seg, True)
             plain_logits = plain_fn()
             plain = bench.median_ms(plain_fn, "cuda", warmup=1, reps=3)
             plain_peak, plain_gpu = peak_gib(plain_fn), gpu_ms(plain_fn)
@@ -57,6 +58,6 @@ for T in lengths:
                              one_pass_peak_gib=row["one_pass_peak_gib"], segments_peak_gib=plain_peak,
                              graph_peak_gib=peak_gib(graph_fn), logits_rel_err=err))
             print(rows[-1], flush=True)
-    model.segment_graphs.clear()
+    engine.segment_graphs.clear()
     torch.cuda.empty_cache()
 print(json.dumps(rows))
