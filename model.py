@@ -24,7 +24,6 @@ alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES)
 """
 
 import math
-import numbers
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -36,82 +35,13 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from checks import check_config, check_cu_seqlens, check_inputs, check_sampling, check_weights
+from chunked_loss import FusedCrossEntropy, chunked_cross_entropy
+
 # -----------------------------------------------------------------------------
 # The reference functions. Layout: q, k (B, T, H, K); v (B, T, H, V); g, eta (B, T, H);
 # states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
-
-
-def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0, cu_seqlens=None, scale=None):
-    """Raise a ValueError naming the first input that breaks the contract; last, g <= 0 (a value check:
-    on a GPU it waits for the data). Returns cu_seqlens as a list (None without it)."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
-        if not torch.is_tensor(x) or not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be (B, T, H, K), got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got shape {tuple(v.shape)}")
-    for name, x in (("g", g), ("eta", eta)):
-        if x.shape != q.shape[:3]:
-            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got shape {tuple(x.shape)}")
-    if B == 0 or T == 0:
-        raise ValueError(f"the input is empty: (B, T) = ({B}, {T})")
-    bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q)
-    if initial_state is not None:
-        want = (B if bounds is None else len(bounds) - 1, H, K, v.shape[-1])
-        if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be ({'B' if bounds is None else 'N'}, H, K, V) = {want}, "
-                             f"got {tuple(getattr(initial_state, 'shape', ()))}")
-        if not initial_state.is_floating_point():
-            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
-    if not (isinstance(eps, numbers.Real) and eps >= 0):
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number (None: K^-0.5), got {scale!r}")
-    if (g > 0).any():  # NaN passes, as NaN weights make it in training: the loss is then NaN, which train.py reports
-        raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
-    return bounds
-
-
-def check_cu_seqlens(cu_seqlens, q):
-    """The boundaries of packed sequences as a list [0, t_1, ..., T] (a host read), or a ValueError naming
-    what is wrong: cu_seqlens must be an int32 / int64 tensor (N + 1,) on q's device, 0 first, strictly
-    increasing, last T, with q of batch 1. kernel.py checks the same (it imports no project module)."""
-    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
-    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
-        raise ValueError(f"cu_seqlens must be 1-D of length N + 1 >= 2, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
-    if q.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
-    if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
-    if bounds[-1] != q.shape[1]:
-        raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
-    return bounds
-
-
-def _per_sequence(fn, bounds, q, k, v, g, eta, initial_state, output_final_state, **kw):
-    """Packed sequences (batch 1, boundaries bounds from check_cu_seqlens) run one at a time by fn, each from
-    its own initial_state[n] (or zeros): outputs concatenated along T, final states stacked (N, H, K, V)."""
-    outs, states = [], []
-    for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
-        h0 = None if initial_state is None else initial_state[n:n + 1]
-        o, S = fn(*(x[:, t0:t1] for x in (q, k, v, g, eta)), initial_state=h0, output_final_state=True, **kw)
-        outs.append(o)
-        states.append(S)
-    return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
+# Their inputs are checked first (checks.py).
 
 
 # The step-size rules of the delta rule (GPTConfig.step_rule), beta from eta and the keys:
@@ -227,6 +157,18 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
     return o, (S if output_final_state else None)
 
 
+def _per_sequence(fn, bounds, q, k, v, g, eta, initial_state, output_final_state, **kw):
+    """Packed sequences (batch 1, boundaries bounds from check_cu_seqlens) run one at a time by fn, each from
+    its own initial_state[n] (or zeros): outputs concatenated along T, final states stacked (N, H, K, V)."""
+    outs, states = [], []
+    for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, S = fn(*(x[:, t0:t1] for x in (q, k, v, g, eta)), initial_state=h0, output_final_state=True, **kw)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
+
+
 # The Triton kernels, on CUDA the default path. Only a missing Triton falls back to PyTorch: an error inside
 # kernel.py or kernel_decode.py is raised, not hidden behind the slow path.
 try:
@@ -238,7 +180,7 @@ except ModuleNotFoundError as err:
     _no_triton = err
 else:
     import kernel
-    import kernel_decode  # engine.py's fused decoding
+    import kernel_decode  # noqa: F401 (engine.py's fused decoding)
 
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
@@ -334,55 +276,6 @@ def read_checkpoint(path, device="cpu", needs=("model", "model_args")):
 # The model
 
 
-@dataclass
-class GPTConfig:
-    block_size: int = 1024     # training context; the recurrent mixers have no limit at inference
-    vocab_size: int = 50304
-    n_layer: int = 12
-    n_head: int = 6
-    n_embd: int = 768
-    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
-    step_rule: str = ""        # KLA / GDN's step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
-    decay: bool = True         # KLA / GDN's learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
-    expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
-    expand_v: float = 1.5      # value width of all heads / n_embd
-    conv_size: int = 4         # short causal convolution on q, k, v
-    mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
-    kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
-    chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
-
-    def __post_init__(self):
-        if self.mixer not in ("kla", "gdn", "attn"):
-            raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {self.mixer!r}")
-        if self.step_rule not in ("", *STEP_RULES) or (self.step_rule and self.mixer == "attn"):
-            raise ValueError(f"step_rule must be '' (the mixer's own) or, with mixer 'kla' or 'gdn', one of "
-                             f"{', '.join(STEP_RULES)}; got {self.step_rule!r} with mixer {self.mixer!r}")
-        if not isinstance(self.decay, bool) or (not self.decay and self.mixer == "attn"):
-            raise ValueError(f"decay must be True or False (False only with mixer 'kla' or 'gdn'); got {self.decay!r} "
-                             f"with mixer {self.mixer!r}")
-        if not self.conv_size >= 2:
-            raise ValueError(f"conv_size must be an integer >= 2 (the current token and one before it at least), "
-                             f"got {self.conv_size!r}")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "chunk_size"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("kla_eps", "norm_eps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.mixer != "attn":
-            for name in ("expand_k", "expand_v"):
-                width = getattr(self, name) * self.n_embd
-                if width != int(width) or int(width) % self.n_head:
-                    raise ValueError(f"{name} * n_embd = {width} must be an integer divisible by n_head ({self.n_head})")
-
-
 def doc_seqlens(x, eot):
     """The cu_seqlens of a batch of token ids x (B, T) read as one packed row (1, B T): a document starts at
     every row and after every end-of-text token eot. int32 (N + 1,), on x's device (from a CPU x: no device read)."""
@@ -434,14 +327,14 @@ class ShortConv(nn.Module):
 
 
 class DeltaMixer(nn.Module):
-    """The KLA layer (mixer='kla'), or Gated DeltaNet's (mixer='gdn') with q, k normalised and beta = eta; with
+    """The KLA layer (mixer 'kla'), or Gated DeltaNet's (mixer 'gdn') with q, k normalised and beta = eta; with
     config.step_rule any rule of STEP_RULES, and with config.decay False no decay."""
 
-    def __init__(self, config):
+    def __init__(self, config, mixer="kla"):
         super().__init__()
         H, d = config.n_head, config.n_embd
         self.n_head, self.eps, self.decay = H, config.kla_eps, config.decay
-        self.rule = config.step_rule or ("kaczmarz" if config.mixer == "kla" else "unit")
+        self.rule = config.step_rule or ("kaczmarz" if mixer == "kla" else "unit")
         self.chunk_size, self.backend = config.chunk_size, "auto"  # backend: set by GPT.set_switches
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
         # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
@@ -451,8 +344,7 @@ class DeltaMixer(nn.Module):
         self.split = [H * self.dk, H * self.dk, H * self.dv, H * self.dv, H * (self.rule != "scalar"),
                       H * self.decay]  # q k v gate eta decay
         # padded with unused outputs to a multiple of 8 (rows of 16-byte multiples in bf16, as Hopper's TMA
-        # GEMMs need): unpadded, 3468 outputs at GPT-2 small's size, cuBLAS ran an sm80 kernel at 240 TFLOP/s
-        # in a 128K-token prefill (bench.py --section=prefill_profile)
+        # GEMMs need; unpadded, cuBLAS ran a slower sm80 kernel: docs/kernel.md)
         self.split.append(-sum(self.split) % 8)
         self.in_proj = nn.Linear(d, sum(self.split), bias=False)
         self.q_conv = ShortConv(H * self.dk, config.conv_size)
@@ -614,10 +506,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    """A pre-norm residual block: the mixer named by mixer ('kla', 'gdn' or 'attn'), then the MLP."""
+
+    def __init__(self, config, mixer):
         super().__init__()
         self.norm1 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mixer = Attention(config) if config.mixer == "attn" else DeltaMixer(config)
+        self.mixer = Attention(config) if mixer == "attn" else DeltaMixer(config, mixer)
         self.norm2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
@@ -634,86 +528,33 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
-# Logits a chunk of the loss (FusedCrossEntropy, evaluation): 5,336 rows at vocabulary 50304. The fused loss's
-# forward + backward alone at 32 x 2048 tokens, width 768, compiled, on an H200 (python3 tools/loss_bench.py,
-# results/bench_h200/loss.md): 2^27 33.7 ms at 0.48 GiB, 2^28 31.1 ms at 0.98 GiB, 2^29 30.1 ms at 1.98 GiB, against
-# 30.9 ms and 6.05 GiB for the logits and F.cross_entropy (each chunk adds its float32 weight gradient to the sum).
-LOSS_CHUNK = 2**28
+@dataclass
+class GPTConfig:
+    block_size: int = 1024     # training context; the recurrent mixers have no limit at inference
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
+    step_rule: str = ""        # KLA / GDN's step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
+    decay: bool = True         # KLA / GDN's learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
+    expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
+    expand_v: float = 1.5      # value width of all heads / n_embd
+    conv_size: int = 4         # short causal convolution on q, k, v
+    mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
+    kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
+    chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
 
+    def __post_init__(self):
+        check_config(self, STEP_RULES)
 
-def chunked_cross_entropy(logits, targets):
-    """F.cross_entropy(logits.float(), targets, ignore_index=-1) (the mean) of logits (..., vocab) without gradients,
-    a chunk of LOSS_CHUNK logits at a time: the float32 copy and its log-softmax never exist for every row at once
-    (at 32 x 1024 tokens and vocabulary 50304, 1.1 GB of temporaries in place of 13.2 GB)."""
-    logits, targets = logits.flatten(0, -2), targets.reshape(-1)
-    rows, total = max(1, LOSS_CHUNK // logits.shape[-1]), 0.0
-    for i in range(0, logits.shape[0], rows):
-        total = total + F.cross_entropy(logits[i:i + rows].float(), targets[i:i + rows], ignore_index=-1,
-                                        reduction="sum")
-    return total / (targets != -1).sum()
-
-
-@torch.library.custom_op("kla::add_mm", mutates_args=())
-def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b, acc float32 and a, b bf16 on CUDA: one GEMM that adds its float32 product to acc (an operator,
-    since torch.compile's fake tensors do not take torch.addmm's out_dtype)."""
-    return torch.addmm(acc, a, b, out_dtype=acc.dtype)
-
-
-@_add_mm_fp32.register_fake
-def _(acc, a, b):
-    return torch.empty_like(acc)
-
-
-def _add_mm(acc, a, b):
-    """acc + a @ b for a float32 acc and a, b in it dtype or a lower one: the product in float32, on CUDA in one GEMM."""
-    if a.dtype != acc.dtype and acc.is_cuda:
-        return _add_mm_fp32(acc, a, b)
-    return acc + a.to(acc.dtype) @ b.to(acc.dtype)
-
-
-class FusedCrossEntropy(torch.autograd.Function):
-    """The mean cross-entropy of F.linear(x, weight) (x (N, C), the tied lm_head's weight (vocab, C)) against targets
-    (N,) (-1 ignored), as GPT.forward computes it, with its gradients computed in the forward a chunk of rows at a
-    time: only the gradients are kept for the backward (N x C and vocab x C, float32), not the logits and their
-    float32 log-softmax (GPTConfig.fused_loss; at vocabulary 50304 and bf16 autocast 3 KB a token kept in place of
-    201 KB eager, of 101 KB (the bf16 logits) compiled, and no logits-sized gradients in the backward). The same
-    matmuls as without it, none run again."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets):
-        n, loss, rows = (targets != -1).sum(), 0.0, max(1, LOSS_CHUNK // weight.shape[0])
-        on = x.device.type
-        dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else weight.dtype  # lm_head's
-        dx, dw = torch.empty_like(x), torch.zeros_like(weight)
-        with torch.autocast(on, enabled=False):  # the casts written out: the weight's made once, not at each matmul
-            w = weight.to(dtype)
-            for i in range(0, x.shape[0], rows):
-                xi, t = x[i:i + rows].to(dtype), targets[i:i + rows]
-                logits = xi @ w.t()
-                z, at, valid = logits.float(), t.clamp_min(0)[:, None], (t != -1)[:, None]
-                lse = z.logsumexp(-1, keepdim=True)
-                loss = loss + ((lse - z.gather(1, at)) * valid).sum()
-                # (p - onehot(t)) / n, the one-hot as a comparison: one elementwise pass (a scatter_add is a pass more)
-                onehot = torch.arange(z.shape[1], device=z.device) == at
-                dz = ((z - lse).exp().sub(onehot.to(z.dtype)) * (valid / n)).to(dtype)
-                dx[i:i + rows] = dz @ w
-                dw = _add_mm(dw, dz.t(), xi)
-        ctx.save_for_backward(dx, dw)
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, grad):
-        dx, dw = ctx.saved_tensors
-        return dx * grad, dw * grad, None
-
-
-def check_sampling(temperature, top_k):
-    """A ValueError naming a temperature or top_k that sampling cannot take."""
-    if isinstance(temperature, bool) or not (isinstance(temperature, numbers.Real) and 0 <= temperature < math.inf):
-        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None (all tokens), got {top_k!r}")
+    @property
+    def mixers(self):
+        """Each layer's mixer, n_layer names: the mixer at every layer."""
+        return [self.mixer] * self.n_layer
 
 
 def sample_next(logits, temperature, top_k):
@@ -751,7 +592,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, mixer) for mixer in config.mixers])
         self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
@@ -872,17 +713,7 @@ class GPT(nn.Module):
             raise ValueError(f"checkpoint's model_args do not fit this model.py ({err}): a damaged file") from None
         model = cls(config, **switches)
         state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
-        ours = model.state_dict()
-        missing, unexpected = ours.keys() - state.keys(), state.keys() - ours.keys()
-        resized = {k for k in ours.keys() & state.keys() if state[k].shape != ours[k].shape}
-        if missing or unexpected or resized:
-            raise ValueError(f"checkpoint does not match this model.py: missing {sorted(missing)[:4]}, unexpected "
-                             f"{sorted(unexpected)[:4]}, other shapes {sorted(resized)[:4]}; it was written by a "
-                             "different version of the model")
-        nonfinite = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
-        if nonfinite:  # train.py saves none: the file was damaged or made otherwise
-            raise ValueError(f"checkpoint holds weights that are not finite: {nonfinite[:4]}; train.py never saves "
-                             "such weights: a damaged file")
+        check_weights(state, model.state_dict())
         model.load_state_dict(state)
         return model
 

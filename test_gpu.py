@@ -19,7 +19,7 @@ For every case: relative error ||x - ref|| / ||ref|| of the output, the final st
 Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph;
 the fused decoding kernels (kernel_decode.py) in a one-layer model; the whole model decoding; 256 greedy tokens of
 sample.py's path against the model's plain PyTorch path (KLA and GDN, batch 1 and 64, float32).
-The fused loss (GPTConfig.fused_loss) against float64 alone and against the model without it.
+The fused loss (the model's fused_loss switch) against float64 alone and against the model without it.
 --smoke runs two tiny cases on the CPU in Triton's interpreter (float32 only), to check the script itself.
 """
 
@@ -34,6 +34,7 @@ if "--smoke" in sys.argv:
 
 import torch
 
+import chunked_loss
 import kernel
 import model
 from engine import Engine
@@ -300,14 +301,14 @@ def check_documents(lines, device, smoke):
 
 
 def check_fused_loss(lines, device, smoke):
-    """GPTConfig.fused_loss (model.FusedCrossEntropy) on this device, with model.LOSS_CHUNK set so that the rows fall
-    in several chunks, the last one shorter: the loss alone (loss, dx, dw) against float64, float32 and bf16 autocast
+    """The fused_loss switch (chunked_loss.FusedCrossEntropy) on this device, with chunked_loss.LOSS_CHUNK set so that
+    the rows fall in several chunks, the last one shorter: the loss alone (loss, dx, dw) against float64, float32 and bf16 autocast
     (on CUDA its float32 weight-gradient sums run through the kla::add_mm operator), beside the logits'
     F.cross_entropy's own error; and a small model's loss and every parameter's gradient against the model without
     fused_loss in float32. Eager and torch.compile'd. Rows appended to lines; returns the failures."""
     import torch.nn.functional as F
     lines += ["", "fused_loss (relative errors; the loss alone against float64, the model against the model without it):", ""]
-    failures, chunk, device = 0, model.LOSS_CHUNK, torch.device(device)
+    failures, chunk, device = 0, chunked_loss.LOSS_CHUNK, torch.device(device)
     gen = torch.Generator(device).manual_seed(1)
     x0 = torch.randn(900, 64, device=device, generator=gen)
     w0 = torch.randn(1000, 64, device=device, generator=gen) * 0.2
@@ -317,9 +318,9 @@ def check_fused_loss(lines, device, smoke):
     loss = F.cross_entropy(x @ w.t(), t, ignore_index=-1)
     loss.backward()
     ref = [loss.detach(), x.grad, w.grad]
-    paths = {"fused": lambda x, w: model.FusedCrossEntropy.apply(x, w, t),
+    paths = {"fused": lambda x, w: chunked_loss.FusedCrossEntropy.apply(x, w, t),
              "logits": lambda x, w: F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)}
-    model.LOSS_CHUNK = 1000 * 150  # 150 rows a chunk: 900 rows in 6, the model's 2 x 400 in 5 and a shorter one
+    chunked_loss.LOSS_CHUNK = 1000 * 150  # 150 rows a chunk: 900 rows in 6, the model's 2 x 400 in 5 and a shorter one
     try:
         for dtype in (torch.float32, torch.bfloat16):
             for compiled in ((False,) if smoke else (False, True)):
@@ -362,7 +363,7 @@ def check_fused_loss(lines, device, smoke):
                          f"parameter's gradient {err_grad:.1e} {'ok' if ok else 'FAIL'}")
             print(lines[-1], flush=True)
     finally:
-        model.LOSS_CHUNK = chunk
+        chunked_loss.LOSS_CHUNK = chunk
     return failures
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 import kernel
 import kernel_decode
+import chunked_loss
 import model
 import prepare_data
 from engine import Engine
@@ -3881,7 +3882,7 @@ def test_memory_switches_same_loss_and_gradients(mixer, backend, packed, switch,
                         strict=True):
             assert torch.equal(a, b)
         return
-    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # chunks of 7 rows: several, the last shorter
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK", 61 * 7)  # chunks of 7 rows: several, the last shorter
     switches = ["recompute_elementwise", "fused_loss"] if switch == "both" else [switch]
     cfg = dict(dropout=0.1, chunk_size=8, backend=backend)
     plain, lean = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, **cfg, **dict.fromkeys(switches, True))
@@ -3925,7 +3926,7 @@ def test_evaluation_loss_in_chunks(monkeypatch):
     idx = torch.randint(0, 61, (3, 20))
     targets = idx.clone()
     targets[0, :5] = -1
-    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: the 60 rows in 8 chunks of 7 and one of 4
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: the 60 rows in 8 chunks of 7 and one of 4
     rows, cross_entropy = [], F.cross_entropy
     monkeypatch.setattr(F, "cross_entropy", lambda x, *a, **k: rows.append(x.shape[0]) or cross_entropy(x, *a, **k))
     with torch.no_grad():
