@@ -1,11 +1,12 @@
 """
-The input checks of model.py's reference functions (kla_recurrent, kla_chunkwise) and of packed sequences
-(cu_seqlens), of GPTConfig, of a checkpoint's weights and of sampling's settings: a ValueError naming the first input that breaks the contract,
-before any work.
+The input checks of model.py: of the reference functions (kla_recurrent, kla_chunkwise) and packed sequences
+(cu_seqlens), of GPTConfig, of a checkpoint's weights and of sampling's settings. Each raises a ValueError naming the
+first input that breaks the contract, before any work.
 """
 
 import math
 import numbers
+from dataclasses import fields
 
 import torch
 
@@ -72,7 +73,14 @@ def check_cu_seqlens(cu_seqlens, q):
 
 
 def check_config(config, step_rules):
-    """A ValueError naming the first field of a GPTConfig that breaks its contract; step_rules: model.STEP_RULES."""
+    """A ValueError naming the first field of a GPTConfig that breaks its contract, its type first (n_layer=2.5,
+    n_head="4" or n_layer=True is refused), then its range; step_rules: model.STEP_RULES."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if not isinstance(value, {int: numbers.Integral, float: numbers.Real}.get(f.type, f.type)) or (
+                isinstance(value, bool) and f.type is not bool):
+            kind = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}[f.type]
+            raise ValueError(f"{f.name} must be {kind}, got {value!r}")
     if config.mixer not in ("kla", "gdn", "attn"):
         raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {config.mixer!r}")
     if config.step_rule not in ("", *step_rules) or (config.step_rule and config.mixer == "attn"):

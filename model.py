@@ -21,6 +21,9 @@ The mixer is switchable (GPTConfig.mixer): 'kla', 'gdn' (the same layer with q, 
 beta = eta) and 'attn' (causal softmax attention with RoPE, the Transformer++ baseline). Everything
 else in the model is shared, so comparisons between them are fair. For the ablation of the step size
 alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES) and decay=False sets g = 0.
+
+Beside it: checks.py (the input checks), chunked_loss.py (the loss a chunk of rows at a time), engine.py (fast
+inference: prefill, CUDA graphs, fused decoding; GPT.generate here is the simple reference path).
 """
 
 import math

@@ -443,6 +443,32 @@ def test_model_config_errors():
     with pytest.raises(ValueError, match="backend"):
         model.resolve_backend("cuda-magic", "cpu")
 
+@pytest.mark.parametrize("field,value,phrase", [
+    ("n_layer", 2.5, "n_layer must be an integer, got 2.5"), ("n_head", "4", "n_head must be an integer, got '4'"),
+    ("n_layer", True, "n_layer must be an integer, got True"), ("n_embd", 64.0, "n_embd must be an integer, got 64.0"),
+    ("expand_k", "0.75", "expand_k must be a number, got '0.75'"), ("kla_eps", False, "kla_eps must be a number, got False"),
+    ("mixer", None, "mixer must be a string, got None"), ("decay", 1, "decay must be True or False, got 1")])
+def test_model_config_types(field, value, phrase):
+    """A size that is not an integer, or a bool where a number is meant, is refused in one line naming it."""
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        GPTConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kw,phrase", [
+    (dict(top_k=0), "top_k must be an integer >= 1 or None (all tokens), got 0"), (dict(top_k=-2), "got -2"),
+    (dict(top_k=2.5), "got 2.5"), (dict(temperature=-0.5), "temperature must be a finite number >= 0 (0: greedy), got -0.5"),
+    (dict(temperature=float("nan")), "got nan"), (dict(temperature=float("inf")), "got inf")])
+def test_sampling_settings_refused_before_any_work(kw, phrase, monkeypatch):
+    """generate (the reference path) and the engine's generate and stream refuse a top_k < 1 and a negative or
+    non-finite temperature before the model runs."""
+    m = GPT(GPTConfig(block_size=64, vocab_size=61, n_layer=1, n_head=2, n_embd=32)).eval()
+    monkeypatch.setattr(GPT, "forward", lambda *a, **k: pytest.fail("the model ran"))
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    for run in (m.generate, Engine(m).generate, lambda *a, **k: next(Engine(m).stream(*a, **k))):
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            run(prompt, 4, **kw)
+
+
 def test_switches_are_run_time_settings():
     """The run-time switches (model.SWITCHES) are GPT's, not GPTConfig's: set_switches changes them (every layer
     follows), a wrong name or value is refused in one line before anything changes; a checkpoint whose model_args
