@@ -13,7 +13,7 @@ Sections (comma-separated; default kernel,decode):
   decode  kernel.kla_step against fla's fused_recurrent_gated_delta_rule, one token, H = 16, D = 128, fp32 state.
   profile time per kernel.py kernel in one forward + backward (torch.profiler).
   train   the whole model (12 x 768, GPT-2 small's size) with mixer kla, gdn and attn, and kla with recompute=True
-          (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, their GPTConfig
+          (--mixers=attn,kla,gdn,kla:recompute; also kla:recompute_elementwise, kla:fused_loss, the model's
           switches), eager and compiled (--compile=0,1; --lengths=2048 picks lengths): a
           training step at
           T = 2048, 8192, 32768 with the same tokens per step; tokens/s, the ratio to attention, MFU, memory;
@@ -22,7 +22,7 @@ Sections (comma-separated; default kernel,decode):
           (--fla_lm=0: not; --fla_v=128: the V 128 model alone).
   train_profile  where one training step's GPU time goes (kernel groups, largest kernels; --mixers=kla,attn).
   prefill  batch-1 forward over 4K to 128K tokens (--lengths), KLA against attention: latency and peak memory;
-          KLA also in segments of PREFILL_SEGMENT (model.py; plain, and from model.prefill's CUDA graph of a segment);
+          KLA also in segments of PREFILL_SEGMENT (engine.py; plain, and from Engine.prefill's CUDA graph of a segment);
           --compile_infer=0,1,graphs: eager, compiled, compiled and replayed from CUDA graphs; --mixers=kla,gdn:
           one pass of these mixers only.
   prefill_profile  where a batch-1 prefill's GPU time goes (--lengths=131072, --mixers=kla,attn).
@@ -59,7 +59,8 @@ import triton
 
 import kernel
 import kernel_decode
-from model import GPT, GPTConfig, PREFILL_SEGMENT
+from engine import PREFILL_SEGMENT, Engine
+from model import GPT, GPTConfig
 
 EPS = 1e-6
 MODEL_HEADS = (32, 2048, 6, 96, 192)  # (B, T, H, K, V): GPT-2 small's KLA heads, 32 x 2048 tokens a step
@@ -307,14 +308,14 @@ def model_configs(smoke):
 
 
 def train_model(mixer, block_size, device, compiled=False, smoke=None):
-    """mixer: 'kla', 'gdn', 'attn', then ':'-separated GPTConfig switches set True (':recompute',
+    """mixer: 'kla', 'gdn', 'attn', then ':'-separated GPT switches set True (':recompute',
     ':recompute_elementwise', ':fused_loss') and last ':budget=F' (compiled with
     torch._functorch.config.activation_memory_budget = F: the partitioner recomputes to keep that share of the
     activations; set by section_train before the first step, which compiles)."""
     cfg, _ = model_configs(smoke if smoke is not None else device != "cuda")
     mixer, *how = mixer.split(":")
     switches = {s: True for s in how if not s.startswith("budget=")}
-    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **switches, **cfg)).to(device)
+    model = GPT(GPTConfig(block_size=block_size, mixer=mixer, **cfg), **switches).to(device)
     model.set_backend(device)
     opt = model.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
     if compiled:  # in place: model stays the GPT, with get_num_params and flops_per_token. Static shapes,
@@ -564,10 +565,11 @@ def section_decode_profile(device, smoke):
     rows = []
     for batch in [int(b) for b in ARGS.get("batch", "1").split(",")]:
         model, vocab = eval_model("kla", device, smoke, compiled)
+        engine = eval_engine(model, compiled)
         with torch.no_grad():
             cache = model.new_cache()
-            model.prefill(torch.randint(vocab, (batch, 64 if smoke else 1024), device=device), cache, PREFILL_SEGMENT)
-            step = model.decode_step(cache, batch)
+            engine.prefill(torch.randint(vocab, (batch, 64 if smoke else 1024), device=device), cache, PREFILL_SEGMENT)
+            step = engine.decode_step(cache, batch)
             tok = torch.randint(vocab, (batch, 1), device=device)
             for _ in range(3):
                 step(tok)
@@ -580,7 +582,7 @@ def section_decode_profile(device, smoke):
 def eval_model(mixer, device, smoke, compiled=False):
     cfg, _ = model_configs(smoke)
     # --decode_fused=0: decode KLA / GDN through the layer's PyTorch code and the step kernel instead
-    model = GPT(GPTConfig(mixer=mixer, decode_fused=ARGS.get("decode_fused", "1") == "1", **cfg)).to(device).eval()
+    model = GPT(GPTConfig(mixer=mixer, **cfg), decode_fused=ARGS.get("decode_fused", "1") == "1").to(device).eval()
     model.set_backend(device)
     if device == "cuda":
         model.bfloat16()
@@ -589,6 +591,14 @@ def eval_model(mixer, device, smoke, compiled=False):
     elif compiled:
         model.compile(dynamic=True)
     return model, cfg["vocab_size"]
+
+
+def eval_engine(model, compiled=False):
+    """The Engine of eval_model's model; compiled (True): its forward, the fused decoding step, compiled as well."""
+    engine = Engine(model)
+    if compiled is True:
+        engine.compile(dynamic=True)
+    return engine
 
 
 def infer_modes():
@@ -606,14 +616,15 @@ def section_prefill(device, smoke):
     for compiled in infer_modes():
         label = {False: "", True: " (compiled)", "graphs": " (compiled, CUDA graphs)"}[compiled]
         runs = [("attn", "one pass"), ("kla", "one pass"), ("kla", f"segments of {seg}")]
-        if compiled != "graphs":  # model.prefill's own CUDA graph of a segment
+        if compiled != "graphs":  # Engine.prefill's own CUDA graph of a segment
             runs.append(("kla", f"segments of {seg}, CUDA graph"))
         if ARGS.get("mixers"):  # --mixers=kla,gdn: one pass of each of these only
             runs = [(mixer, "one pass") for mixer in ARGS["mixers"].split(",")]
         for mixer, how in runs:
             model, vocab = eval_model(mixer, device, smoke, compiled)
             graph = how.endswith("CUDA graph")
-            fn = model if how == "one pass" else (lambda x, m=model: m.prefill(x, m.new_cache(), seg, graph))
+            engine = Engine(model)
+            fn = model if how == "one pass" else (lambda x: engine.prefill(x, model.new_cache(), seg, graph))
             for T in lengths:
                 idx = torch.randint(vocab, (1, T), device=device)
                 if device == "cuda":
@@ -650,7 +661,7 @@ def decode_floor_ms(model, batch, context):
 
 
 def section_generate(device, smoke):
-    """Decoding tokens/s after a prompt (model.stream: chunkwise prefill, then one token at a time from
+    """Decoding tokens/s after a prompt (Engine.stream: chunkwise prefill, then one token at a time from
     the carried state, plain or replayed from a CUDA graph; attention from its KV cache), batch 1 and 64.
     One more attention row lets SDPA choose among all its backends (cuDNN included), the library default."""
     import model as model_module
@@ -667,12 +678,13 @@ def section_generate(device, smoke):
         runs = [r for r in runs if r[0] in ARGS["mixers"].split(",")]
     for mixer, graph, all_backends, compiled in runs:
         model, vocab = eval_model(mixer, device, smoke, compiled)
+        engine = eval_engine(model, compiled)
         saved = model_module.SDPA_BACKENDS
         if all_backends:
             model_module.SDPA_BACKENDS = model_module.SDPA_BACKENDS + [model_module.SDPBackend.CUDNN_ATTENTION]
         label = mixer + (" (compiled)" if compiled else "") + (" (CUDA graph)" if graph else "") \
             + (" (all SDPA backends)" if all_backends else "") \
-            + (" (unfused decode)" if mixer != "attn" and not model.config.decode_fused else "") \
+            + (" (unfused decode)" if mixer != "attn" and not model.switches["decode_fused"] else "") \
             + (" (no PDL)" if mixer != "attn" and not kernel_decode.DECODE_PDL else "")
         for batch in (batches[:1] if all_backends else batches):
             for P in (prompts[:1] if all_backends else prompts):
@@ -681,7 +693,7 @@ def section_generate(device, smoke):
                     torch.cuda.reset_peak_memory_stats()
                 try:
                     idx = torch.randint(vocab, (batch, P), device=device)
-                    stream = model.stream(idx, n_new + 1, temperature=0, cuda_graph=graph)
+                    stream = engine.stream(idx, n_new + 1, temperature=0, cuda_graph=graph)
                     next(stream)  # prefill and the first token
                     if device == "cuda":
                         torch.cuda.synchronize()

@@ -770,7 +770,7 @@ _layout_cache = [None]  # (cu_seqlens's values, device, layout) of the last pack
 
 def _check_cu_seqlens(cu_seqlens, q):
     """The layout of packed sequences (_varlen_layout), or a ValueError naming what is wrong with cu_seqlens (the
-    same checks as model.check_cu_seqlens). Its values are read back to the host; the layout of the last values is
+    same checks as checks.check_cu_seqlens). Its values are read back to the host; the layout of the last values is
     kept, so that the layers of a model share one copy to the device (keyed on the values, never on the tensor)."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")

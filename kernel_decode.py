@@ -15,7 +15,7 @@ Triton kernels for decoding the KLA (or GDN) model one token at a time: the whol
                             share of the output atomically (_decode_mlp_kernel).
 
 At batch 1 the kernels are launched as programmatic dependent launches on Hopper and later (_pdl_wait).
-model.GPT decodes with them (GPT._decode_fused); its layers compute the same in PyTorch.
+engine.py's Engine decodes with them (Engine._decode_fused); its layers compute the same in PyTorch.
 """
 
 import functools

@@ -21,10 +21,12 @@ The mixer is switchable (GPTConfig.mixer): 'kla', 'gdn' (the same layer with q, 
 beta = eta) and 'attn' (causal softmax attention with RoPE, the Transformer++ baseline). Everything
 else in the model is shared, so comparisons between them are fair. For the ablation of the step size
 alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES) and decay=False sets g = 0.
+
+Beside it: checks.py (the input checks), chunked_loss.py (the loss a chunk of rows at a time), engine.py (fast
+inference: prefill, CUDA graphs, fused decoding; GPT.generate here is the simple reference path).
 """
 
 import math
-import numbers
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -36,82 +38,13 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from checks import check_config, check_cu_seqlens, check_inputs, check_sampling, check_weights
+from chunked_loss import FusedCrossEntropy, chunked_cross_entropy
+
 # -----------------------------------------------------------------------------
 # The reference functions. Layout: q, k (B, T, H, K); v (B, T, H, V); g, eta (B, T, H);
 # states (B, H, K, V) in float32 (float64 for float64 inputs). Both return (o, final_state or None).
-
-
-def check_inputs(q, k, v, g, eta, initial_state=None, eps=0.0, cu_seqlens=None, scale=None):
-    """Raise a ValueError naming the first input that breaks the contract; last, g <= 0 (a value check:
-    on a GPU it waits for the data). Returns cu_seqlens as a list (None without it)."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
-        if not torch.is_tensor(x) or not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be (B, T, H, K), got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got shape {tuple(v.shape)}")
-    for name, x in (("g", g), ("eta", eta)):
-        if x.shape != q.shape[:3]:
-            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got shape {tuple(x.shape)}")
-    if B == 0 or T == 0:
-        raise ValueError(f"the input is empty: (B, T) = ({B}, {T})")
-    bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q)
-    if initial_state is not None:
-        want = (B if bounds is None else len(bounds) - 1, H, K, v.shape[-1])
-        if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must be ({'B' if bounds is None else 'N'}, H, K, V) = {want}, "
-                             f"got {tuple(getattr(initial_state, 'shape', ()))}")
-        if not initial_state.is_floating_point():
-            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
-    if not (isinstance(eps, numbers.Real) and eps >= 0):
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number (None: K^-0.5), got {scale!r}")
-    if (g > 0).any():  # NaN passes, as NaN weights make it in training: the loss is then NaN, which train.py reports
-        raise ValueError(f"g is a log decay and must be <= 0, but its maximum is {g.max().item():.3g}")
-    return bounds
-
-
-def check_cu_seqlens(cu_seqlens, q):
-    """The boundaries of packed sequences as a list [0, t_1, ..., T] (a host read), or a ValueError naming
-    what is wrong: cu_seqlens must be an int32 / int64 tensor (N + 1,) on q's device, 0 first, strictly
-    increasing, last T, with q of batch 1. kernel.py checks the same (it imports no project module)."""
-    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
-    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
-        raise ValueError(f"cu_seqlens must be 1-D of length N + 1 >= 2, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
-    if q.shape[0] != 1:
-        raise ValueError(f"with cu_seqlens the sequences are packed in a batch of 1, got B = {q.shape[0]}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {bounds[0]}")
-    if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
-    if bounds[-1] != q.shape[1]:
-        raise ValueError(f"cu_seqlens must end at T = {q.shape[1]}, got {bounds[-1]}")
-    return bounds
-
-
-def _per_sequence(fn, bounds, q, k, v, g, eta, initial_state, output_final_state, **kw):
-    """Packed sequences (batch 1, boundaries bounds from check_cu_seqlens) run one at a time by fn, each from
-    its own initial_state[n] (or zeros): outputs concatenated along T, final states stacked (N, H, K, V)."""
-    outs, states = [], []
-    for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
-        h0 = None if initial_state is None else initial_state[n:n + 1]
-        o, S = fn(*(x[:, t0:t1] for x in (q, k, v, g, eta)), initial_state=h0, output_final_state=True, **kw)
-        outs.append(o)
-        states.append(S)
-    return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
+# Their inputs are checked first (checks.py).
 
 
 # The step-size rules of the delta rule (GPTConfig.step_rule), beta from eta and the keys:
@@ -227,6 +160,18 @@ def kla_chunkwise(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None,
     return o, (S if output_final_state else None)
 
 
+def _per_sequence(fn, bounds, q, k, v, g, eta, initial_state, output_final_state, **kw):
+    """Packed sequences (batch 1, boundaries bounds from check_cu_seqlens) run one at a time by fn, each from
+    its own initial_state[n] (or zeros): outputs concatenated along T, final states stacked (N, H, K, V)."""
+    outs, states = [], []
+    for n, (t0, t1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, S = fn(*(x[:, t0:t1] for x in (q, k, v, g, eta)), initial_state=h0, output_final_state=True, **kw)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
+
+
 # The Triton kernels, on CUDA the default path. Only a missing Triton falls back to PyTorch: an error inside
 # kernel.py or kernel_decode.py is raised, not hidden behind the slow path.
 try:
@@ -238,7 +183,7 @@ except ModuleNotFoundError as err:
     _no_triton = err
 else:
     import kernel
-    import kernel_decode
+    import kernel_decode  # noqa: F401 (engine.py's fused decoding)
 
 
 def linear_attention(q, k, v, g, eta, *, backend="chunkwise", eps=1e-6, initial_state=None,
@@ -334,67 +279,6 @@ def read_checkpoint(path, device="cpu", needs=("model", "model_args")):
 # The model
 
 
-@dataclass
-class GPTConfig:
-    block_size: int = 1024     # training context; the recurrent mixers have no limit at inference
-    vocab_size: int = 50304
-    n_layer: int = 12
-    n_head: int = 6
-    n_embd: int = 768
-    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
-    step_rule: str = ""        # KLA / GDN's step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
-    decay: bool = True         # KLA / GDN's learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
-    expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
-    expand_v: float = 1.5      # value width of all heads / n_embd
-    conv_size: int = 4         # short causal convolution on q, k, v
-    mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
-    kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
-    chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
-    backend: str = "auto"      # 'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent'
-    decode_fused: bool = True  # Triton backend, decoding: the mixer between its projections as one kernel,
-                               # and at batch 1 the whole block as three (GPT._decode_fused)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
-    recompute: bool = False    # training: each block's mixer branch recomputed in the backward instead of its
-                               # activations kept (torch.utils.checkpoint): less memory, one more mixer forward
-    recompute_elementwise: bool = False  # training, KLA / GDN: only the elementwise work around the kernel
-                               # recomputed in the backward (DeltaMixer.inputs, .gated), no kernel or matmul run again
-    fused_loss: bool = False   # training (with targets and autograd): the loss and its gradient computed in the forward
-                               # a chunk of rows at a time (FusedCrossEntropy), no (B, T, vocab) logits kept; the
-                               # forward then returns logits None
-
-    def __post_init__(self):
-        if self.mixer not in ("kla", "gdn", "attn"):
-            raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {self.mixer!r}")
-        if self.step_rule not in ("", *STEP_RULES) or (self.step_rule and self.mixer == "attn"):
-            raise ValueError(f"step_rule must be '' (the mixer's own) or, with mixer 'kla' or 'gdn', one of "
-                             f"{', '.join(STEP_RULES)}; got {self.step_rule!r} with mixer {self.mixer!r}")
-        if self.recompute_elementwise and self.mixer == "attn":
-            raise ValueError("recompute_elementwise is for the KLA / GDN layer (mixer 'kla' or 'gdn'), not 'attn'")
-        if not isinstance(self.decay, bool) or (not self.decay and self.mixer == "attn"):
-            raise ValueError(f"decay must be True or False (False only with mixer 'kla' or 'gdn'); got {self.decay!r} "
-                             f"with mixer {self.mixer!r}")
-        if not self.conv_size >= 2:
-            raise ValueError(f"conv_size must be an integer >= 2 (the current token and one before it at least), "
-                             f"got {self.conv_size!r}")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "chunk_size"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("kla_eps", "norm_eps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.mixer != "attn":
-            for name in ("expand_k", "expand_v"):
-                width = getattr(self, name) * self.n_embd
-                if width != int(width) or int(width) % self.n_head:
-                    raise ValueError(f"{name} * n_embd = {width} must be an integer divisible by n_head ({self.n_head})")
-
-
 def doc_seqlens(x, eot):
     """The cu_seqlens of a batch of token ids x (B, T) read as one packed row (1, B T): a document starts at
     every row and after every end-of-text token eot. int32 (N + 1,), on x's device (from a CPU x: no device read)."""
@@ -446,15 +330,15 @@ class ShortConv(nn.Module):
 
 
 class DeltaMixer(nn.Module):
-    """The KLA layer (mixer='kla'), or Gated DeltaNet's (mixer='gdn') with q, k normalised and beta = eta; with
+    """The KLA layer (mixer 'kla'), or Gated DeltaNet's (mixer 'gdn') with q, k normalised and beta = eta; with
     config.step_rule any rule of STEP_RULES, and with config.decay False no decay."""
 
-    def __init__(self, config):
+    def __init__(self, config, mixer="kla"):
         super().__init__()
         H, d = config.n_head, config.n_embd
         self.n_head, self.eps, self.decay = H, config.kla_eps, config.decay
-        self.rule = config.step_rule or ("kaczmarz" if config.mixer == "kla" else "unit")
-        self.chunk_size, self.backend = config.chunk_size, config.backend
+        self.rule = config.step_rule or ("kaczmarz" if mixer == "kla" else "unit")
+        self.chunk_size, self.backend = config.chunk_size, "auto"  # backend: set by GPT.set_switches
         self.dk, self.dv = int(config.expand_k * d) // H, int(config.expand_v * d) // H
         # one input projection for q, k, v, the output gate, eta and the decay (one matmul; one GEMV when
         # decoding), then a short convolution each for q, k, v (each output its own contiguous tensor, as the
@@ -463,8 +347,7 @@ class DeltaMixer(nn.Module):
         self.split = [H * self.dk, H * self.dk, H * self.dv, H * self.dv, H * (self.rule != "scalar"),
                       H * self.decay]  # q k v gate eta decay
         # padded with unused outputs to a multiple of 8 (rows of 16-byte multiples in bf16, as Hopper's TMA
-        # GEMMs need): unpadded, 3468 outputs at GPT-2 small's size, cuBLAS ran an sm80 kernel at 240 TFLOP/s
-        # in a 128K-token prefill (bench.py --section=prefill_profile)
+        # GEMMs need; unpadded, cuBLAS ran a slower sm80 kernel: docs/kernel.md)
         self.split.append(-sum(self.split) % 8)
         self.in_proj = nn.Linear(d, sum(self.split), bias=False)
         self.q_conv = ShortConv(H * self.dk, config.conv_size)
@@ -480,7 +363,7 @@ class DeltaMixer(nn.Module):
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.o_norm = nn.RMSNorm(self.dv, eps=config.norm_eps)
         self.o_proj = nn.Linear(H * self.dv, d, bias=False)
-        self.recompute = config.recompute_elementwise
+        self.recompute = False  # GPT's switch recompute_elementwise
 
     def forward(self, x, cache=None, cu_seqlens=None):
         """x (B, T, C); cache: this layer's decoding state, read and updated in place; cu_seqlens: packed
@@ -535,33 +418,6 @@ class DeltaMixer(nn.Module):
     def gated(self, o, gate, dtype):
         """The heads' outputs o (B, T, H, dv) in dtype (the layer input's), normalised and gated by SiLU of gate."""
         return self.o_norm(o.to(dtype)) * F.silu(gate.reshape(o.shape))
-
-
-@torch.library.custom_op("kla::decode_mixer", mutates_args=("conv_q", "conv_k", "conv_v", "state"))
-def _decode_mixer_op(xp: torch.Tensor, conv_q: torch.Tensor, conv_k: torch.Tensor, conv_v: torch.Tensor,
-                     w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                     eta_bias: torch.Tensor, norm_weight: torch.Tensor, state: torch.Tensor, n_head: int, eps: float,
-                     norm_eps: float, kaczmarz: bool) -> torch.Tensor:
-    """kernel_decode.kla_decode_mixer as a PyTorch operator that updates the cache's buffers in place, so that
-    torch.compile keeps a decoding step whole (one graph around the twelve mixers, their norms and residual
-    adds fused with their neighbours) where a graph break at each mixer left them as separate kernels."""
-    return kernel_decode.kla_decode_mixer(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias,
-                                          norm_weight, state, n_head=n_head, eps=eps, norm_eps=norm_eps,
-                                          kaczmarz=kaczmarz)
-
-
-@_decode_mixer_op.register_fake
-def _(xp, conv_q, conv_k, conv_v, w_q, w_k, w_v, A_log, dt_bias, eta_bias, norm_weight, state, n_head, eps, norm_eps,
-      kaczmarz):
-    return xp.new_empty(xp.shape[0], state.shape[1] * state.shape[3])
-
-
-def _decode_mixer(m, xp, st):
-    """The lines of DeltaMixer m's forward between its two projections for one token (xp (B, in_proj's outputs)),
-    as one kernel (kernel_decode.kla_decode_mixer): the output (B, H dv) before o_proj."""
-    return _decode_mixer_op(xp[:, :sum(m.split[:-1])], st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
-                            m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, m.o_norm.weight,
-                            st["state"], m.n_head, m.eps, m.o_norm.eps, m.rule == "kaczmarz")
 
 
 # cuDNN's attention is left out: it builds an execution plan for every new shape, and decoding makes a new
@@ -653,14 +509,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    """A pre-norm residual block: the mixer named by mixer ('kla', 'gdn' or 'attn'), then the MLP."""
+
+    def __init__(self, config, mixer):
         super().__init__()
         self.norm1 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mixer = Attention(config) if config.mixer == "attn" else DeltaMixer(config)
+        self.mixer = Attention(config) if mixer == "attn" else DeltaMixer(config, mixer)
         self.norm2 = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
-        self.recompute = config.recompute
+        self.recompute = False  # GPT's switch recompute
 
     def mix(self, x, cache=None, cu_seqlens=None):
         return self.drop(self.mixer(self.norm1(x), cache, cu_seqlens))
@@ -673,103 +531,96 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
-# The segment of a long prompt that KLA / GDN read at a time (GPT.stream, sample.py): their prefill's memory stays flat in
-# the prompt's length. On an H200 (GPT-2 small, bf16, batch 1; python3 tools/prefill_segments.py (at git commit 7935b57),
-# results/bench_h200/prefill_segments.md), 16384 tokens with the CUDA graph of a segment take 1.05 / 1.07 / 1.08x the
-# one pass at 32K / 64K / 128K, peak 1.67 -> 1.83 GiB against the one pass's 1.15 -> 3.67; 8192 take 1.24-1.27x at
-# 0.98 -> 1.16 GiB, 32768 1.03-1.05x at 3.01 -> 3.10 GiB (more than the one pass's 2.00 at 64K).
-PREFILL_SEGMENT = 16384
+@dataclass
+class GPTConfig:
+    block_size: int = 1024     # training context; the recurrent mixers have no limit at inference
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 6
+    n_embd: int = 768
+    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
+    step_rule: str = ""        # KLA / GDN's step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
+    decay: bool = True         # KLA / GDN's learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
+    expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
+    expand_v: float = 1.5      # value width of all heads / n_embd
+    conv_size: int = 4         # short causal convolution on q, k, v
+    mlp_hidden: int = 0        # SwiGLU width; 0 means 8/3 * n_embd rounded up to a multiple of 64
+    kla_eps: float = 1e-6      # the eps of beta = eta / (||k||^2 + eps)
+    chunk_size: int = 64       # the chunkwise reference's; the Triton kernel's chunks are 64 tokens
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dropout: float = 0.0       # on the embeddings and on each residual branch's output (nanoGPT's), training only
 
-# Logits a chunk of the loss (FusedCrossEntropy, evaluation): 5,336 rows at vocabulary 50304. The fused loss's
-# forward + backward alone at 32 x 2048 tokens, width 768, compiled, on an H200 (python3 tools/loss_bench.py,
-# results/bench_h200/loss.md): 2^27 33.7 ms at 0.48 GiB, 2^28 31.1 ms at 0.98 GiB, 2^29 30.1 ms at 1.98 GiB, against
-# 30.9 ms and 6.05 GiB for the logits and F.cross_entropy (each chunk adds its float32 weight gradient to the sum).
-LOSS_CHUNK = 2**28
+    def __post_init__(self):
+        check_config(self, STEP_RULES)
 
-
-def chunked_cross_entropy(logits, targets):
-    """F.cross_entropy(logits.float(), targets, ignore_index=-1) (the mean) of logits (..., vocab) without gradients,
-    a chunk of LOSS_CHUNK logits at a time: the float32 copy and its log-softmax never exist for every row at once
-    (at 32 x 1024 tokens and vocabulary 50304, 1.1 GB of temporaries in place of 13.2 GB)."""
-    logits, targets = logits.flatten(0, -2), targets.reshape(-1)
-    rows, total = max(1, LOSS_CHUNK // logits.shape[-1]), 0.0
-    for i in range(0, logits.shape[0], rows):
-        total = total + F.cross_entropy(logits[i:i + rows].float(), targets[i:i + rows], ignore_index=-1,
-                                        reduction="sum")
-    return total / (targets != -1).sum()
-
-
-@torch.library.custom_op("kla::add_mm", mutates_args=())
-def _add_mm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b, acc float32 and a, b bf16 on CUDA: one GEMM that adds its float32 product to acc (an operator,
-    since torch.compile's fake tensors do not take torch.addmm's out_dtype)."""
-    return torch.addmm(acc, a, b, out_dtype=acc.dtype)
+    @property
+    def mixers(self):
+        """Each layer's mixer, n_layer names: the mixer at every layer."""
+        return [self.mixer] * self.n_layer
 
 
-@_add_mm_fp32.register_fake
-def _(acc, a, b):
-    return torch.empty_like(acc)
+def sample_next(logits, temperature, top_k):
+    """The next token (B, 1) from the logits (B, vocab): their argmax at temperature 0, else drawn from the softmax
+    of logits / temperature over the top_k most likely tokens (None: all)."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
-def _add_mm(acc, a, b):
-    """acc + a @ b for a float32 acc and a, b in it dtype or a lower one: the product in float32, on CUDA in one GEMM."""
-    if a.dtype != acc.dtype and acc.is_cuda:
-        return _add_mm_fp32(acc, a, b)
-    return acc + a.to(acc.dtype) @ b.to(acc.dtype)
-
-
-class FusedCrossEntropy(torch.autograd.Function):
-    """The mean cross-entropy of F.linear(x, weight) (x (N, C), the tied lm_head's weight (vocab, C)) against targets
-    (N,) (-1 ignored), as GPT.forward computes it, with its gradients computed in the forward a chunk of rows at a
-    time: only the gradients are kept for the backward (N x C and vocab x C, float32), not the logits and their
-    float32 log-softmax (GPTConfig.fused_loss; at vocabulary 50304 and bf16 autocast 3 KB a token kept in place of
-    201 KB eager, of 101 KB (the bf16 logits) compiled, and no logits-sized gradients in the backward). The same
-    matmuls as without it, none run again."""
-
-    @staticmethod
-    def forward(ctx, x, weight, targets):
-        n, loss, rows = (targets != -1).sum(), 0.0, max(1, LOSS_CHUNK // weight.shape[0])
-        on = x.device.type
-        dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else weight.dtype  # lm_head's
-        dx, dw = torch.empty_like(x), torch.zeros_like(weight)
-        with torch.autocast(on, enabled=False):  # the casts written out: the weight's made once, not at each matmul
-            w = weight.to(dtype)
-            for i in range(0, x.shape[0], rows):
-                xi, t = x[i:i + rows].to(dtype), targets[i:i + rows]
-                logits = xi @ w.t()
-                z, at, valid = logits.float(), t.clamp_min(0)[:, None], (t != -1)[:, None]
-                lse = z.logsumexp(-1, keepdim=True)
-                loss = loss + ((lse - z.gather(1, at)) * valid).sum()
-                # (p - onehot(t)) / n, the one-hot as a comparison: one elementwise pass (a scatter_add is a pass more)
-                onehot = torch.arange(z.shape[1], device=z.device) == at
-                dz = ((z - lse).exp().sub(onehot.to(z.dtype)) * (valid / n)).to(dtype)
-                dx[i:i + rows] = dz @ w
-                dw = _add_mm(dw, dz.t(), xi)
-        ctx.save_for_backward(dx, dw)
-        return loss / n
-
-    @staticmethod
-    def backward(ctx, grad):
-        dx, dw = ctx.saved_tensors
-        return dx * grad, dw * grad, None
+# How a step is computed, not what: run-time switches of GPT (GPT(config, **switches), set_switches), never saved
+# with the weights. Each has no effect where it does not apply.
+#   backend                'auto' (Triton on CUDA), 'triton', 'chunkwise' or 'recurrent': the KLA / GDN layer's path
+#   recompute              training: each block's mixer branch recomputed in the backward instead of its activations
+#                          kept (torch.utils.checkpoint): less memory, one more mixer forward
+#   recompute_elementwise  training, KLA / GDN: only the elementwise work around the kernel recomputed in the backward
+#                          (DeltaMixer.inputs, .gated), no kernel or matmul run again
+#   fused_loss             training (targets and autograd): the loss and its gradient computed in the forward a chunk of
+#                          rows at a time (FusedCrossEntropy), no (B, T, vocab) logits kept; the forward returns logits None
+#   decode_fused           engine.py's decoding on the Triton backend: the mixer between its projections as one kernel,
+#                          and at batch 1 the whole block as three
+SWITCHES = dict(backend="auto", recompute=False, recompute_elementwise=False, fused_loss=False, decode_fused=True)
+BACKENDS = ("auto", "triton", "chunkwise", "recurrent")
 
 
 class GPT(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, **switches):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, mixer) for mixer in config.mixers])
         self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
-        self.segment_graphs = {}  # prefill's CUDA-graph steps, made once per shape (prefill with cuda_graph)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith("o_proj.weight") or name.endswith("mlp.down.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.switches = dict(SWITCHES)
+        self.set_switches(**switches)
+
+    def set_switches(self, **switches):
+        """Change run-time switches (SWITCHES) by keyword; a ValueError names an unknown one or a wrong value."""
+        for name, value in switches.items():
+            if name not in SWITCHES:
+                raise ValueError(f"{name!r} is not a switch of the model; the switches are {', '.join(SWITCHES)}")
+            if name == "backend" and value not in BACKENDS:
+                raise ValueError(f"backend must be 'auto', 'triton', 'chunkwise' or 'recurrent', got {value!r}")
+            if name != "backend" and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self.switches.update(switches)
+        for block in self.blocks:
+            block.recompute = self.switches["recompute"]
+            if isinstance(block.mixer, DeltaMixer):
+                block.mixer.backend = self.switches["backend"]
+                block.mixer.recompute = self.switches["recompute_elementwise"]
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -781,15 +632,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied embedding counts once
 
     def set_backend(self, device_type):
-        """Choose the linear-attention path once for this device (see resolve_backend)."""
-        backend = resolve_backend(self.config.backend, device_type)
+        """Choose the linear-attention path once for this device (see resolve_backend): the backend switch resolved."""
+        backend = resolve_backend(self.switches["backend"], device_type)
         mixer = self.blocks[0].mixer
         if backend == "triton" and isinstance(mixer, DeltaMixer) and (mixer.dk > 128 or mixer.dv > 1024):
             raise ValueError(f"heads of d_k {mixer.dk}, d_v {mixer.dv}: the Triton kernel takes d_k <= 128 and d_v <= 1024; "
                              "use more heads, or backend='chunkwise'")
-        for block in self.blocks:
-            if isinstance(block.mixer, DeltaMixer):
-                block.mixer.backend = backend
+        self.set_switches(backend=backend)
         return backend
 
     def forward(self, idx, targets=None, cache=None, cu_seqlens=None):
@@ -808,8 +657,6 @@ class GPT(nn.Module):
                                  f"only; got mixer {self.config.mixer!r} and a cache that "
                                  f"{'holds a state' if any(cache) else 'is empty'}")
             check_cu_seqlens(cu_seqlens, idx)
-        if targets is None and self._decodes_fused(idx, cache):
-            return self._decode_fused(idx, cache), None
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i], cu_seqlens)
@@ -817,56 +664,13 @@ class GPT(nn.Module):
         if targets is None:
             last = x[:, -1:, :] if cu_seqlens is None else x[0, cu_seqlens[1:].long() - 1, None]  # (B or N, 1, C)
             return self.lm_head(last), None
-        if self.config.fused_loss and torch.is_grad_enabled():  # training: no logits kept, none returned
+        if self.switches["fused_loss"] and torch.is_grad_enabled():  # training: no logits kept, none returned
             return None, FusedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)
         if not torch.is_grad_enabled():  # evaluation: the float32 log-softmax made a chunk of rows at a time
             return logits, chunked_cross_entropy(logits, targets)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-    def _decodes_fused(self, idx, cache):
-        """Whether this call decodes one token through kernel_decode's kernels (GPTConfig.decode_fused): KLA or
-        GDN on the Triton backend, a cache that holds a state, no autograd. The kernels make eta and the decay from
-        the layer's projections and beta from KLA's or GDN's rule: other rules and decay=False decode unfused."""
-        return (cache is not None and idx.shape[1] == 1 and self.config.decode_fused and self.config.mixer != "attn"
-                and self.blocks[0].mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled()
-                and not (self.training and self.config.dropout)  # the kernels apply no dropout
-                and self.blocks[0].mixer.rule in ("kaczmarz", "unit") and self.config.decay)
-
-    def _decode_fused(self, idx, cache):
-        """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,
-        with the weights and the cache's buffers in one dtype (not under autocast), every block and the head run
-        as kernels alone (_decode_fused_batch1); else each mixer runs between its projections as one kernel
-        (kernel_decode.kla_decode_mixer) and the rest of the model as its layers."""
-        x = self.wte(idx)  # (B, 1, C)
-        if x.shape[0] == 1 and x.dtype == cache[0]["q_conv"].dtype:
-            return self._decode_fused_batch1(x, cache)
-        B = x.shape[0]
-        for block, st in zip(self.blocks, cache):
-            m = block.mixer
-            o = _decode_mixer(m, m.in_proj(block.norm1(x)).view(B, -1), st)  # (B, H dv)
-            x = x + m.o_proj(o.view(B, 1, -1))
-            x = x + block.mlp(block.norm2(x))
-        return self.lm_head(self.norm_f(x))
-
-    @torch.compiler.disable  # Triton kernels that update the cache's buffers in place
-    def _decode_fused_batch1(self, x, cache):
-        """Each block as three kernels (kernel_decode.kla_decode_block): RMSNorm + the mixer's input projection + the
-        short convolutions; the state step, each head's values over several programs, with their share of the output
-        projection; the heads' RMSNorm, the residual, RMSNorm and the MLP with the residual. The residual stream
-        between blocks in float32. Then norm_f + lm_head as one more (kernel_decode.decode_linear)."""
-        x = x.view(1, -1)
-        for block, st in zip(self.blocks, cache):
-            m = block.mixer
-            x = kernel_decode.kla_decode_block(
-                x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
-                m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
-                m.o_proj.weight, block.norm2.weight, block.mlp.gate_up.weight, block.mlp.down.weight,
-                n_head=m.n_head, eps=m.eps, norm_eps=block.norm1.eps, o_norm_eps=m.o_norm.eps,
-                kaczmarz=m.rule == "kaczmarz")
-        return kernel_decode.decode_linear(x, self.lm_head.weight, norm_weight=self.norm_f.weight,
-                                           norm_eps=self.norm_f.eps).view(1, 1, -1)
 
     def new_cache(self):
         return [dict() for _ in self.blocks]
@@ -896,159 +700,37 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint, **overrides):
-        """The model of a checkpoint dict from read_checkpoint; overrides change config fields that do not
-        change the weights, such as backend. (Weights of a torch.compile'd model, saved by other code, have
-        their keys under '_orig_mod.'.)"""
-        args = {**checkpoint["model_args"], **overrides}
+        """The model of a checkpoint dict from read_checkpoint; overrides are run-time switches (SWITCHES) or change
+        config fields that do not change the weights, such as dropout. Switches saved in model_args by an older
+        train.py are ignored. (Weights of a torch.compile'd model, saved by other code, have their keys under
+        '_orig_mod.'.)"""
+        switches = {k: overrides.pop(k) for k in SWITCHES if k in overrides}
+        args = {**{k: v for k, v in checkpoint["model_args"].items() if k not in SWITCHES}, **overrides}
         unknown = sorted(args.keys() - {f.name for f in fields(GPTConfig)})
         if unknown:
             raise ValueError(f"checkpoint's model_args hold {unknown[:4]}, which this model.py does not know; it was "
                              "written by a different version of the model")
         try:
             config = GPTConfig(**args)
-        except TypeError as err:  # a value of another type than the field's, e.g. n_layer '4'
+        except (TypeError, ValueError) as err:  # a value of another type than the field's, e.g. n_layer '4'
             raise ValueError(f"checkpoint's model_args do not fit this model.py ({err}): a damaged file") from None
-        model = cls(config)
+        model = cls(config, **switches)
         state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
-        ours = model.state_dict()
-        missing, unexpected = ours.keys() - state.keys(), state.keys() - ours.keys()
-        resized = {k for k in ours.keys() & state.keys() if state[k].shape != ours[k].shape}
-        if missing or unexpected or resized:
-            raise ValueError(f"checkpoint does not match this model.py: missing {sorted(missing)[:4]}, unexpected "
-                             f"{sorted(unexpected)[:4]}, other shapes {sorted(resized)[:4]}; it was written by a "
-                             "different version of the model")
-        nonfinite = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
-        if nonfinite:  # train.py saves none: the file was damaged or made otherwise
-            raise ValueError(f"checkpoint holds weights that are not finite: {nonfinite[:4]}; train.py never saves "
-                             "such weights: a damaged file")
+        check_weights(state, model.state_dict())
         model.load_state_dict(state)
         return model
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False, prefill_chunk=PREFILL_SEGMENT):
-        """Yield max_new_tokens new tokens (B, 1) one at a time. The prompt is read once by the chunkwise
-        path, in segments of prefill_chunk tokens for KLA / GDN (the state carried across them, so that
-        memory does not grow with the prompt); every later token costs O(1) from the carried state
-        (attention: its KV cache). cuda_graph: replay each decoding step, and a long prompt's segments, from
-        CUDA graphs (KLA / GDN on CUDA), without per-kernel launch costs. idx may also be a list of N 1-D prompts of different lengths
-        (KLA / GDN): they are read in one pass, packed (cu_seqlens), then decoded together as a batch of N."""
-        cache = self.new_cache()
-        if isinstance(idx, (list, tuple)):
-            logits = self.prefill_packed(idx, cache)
-        else:
-            logits = self.prefill(idx, cache, idx.shape[1] if self.config.mixer == "attn" else prefill_chunk, cuda_graph)
-        greedy = temperature == 0
-        step = self.decode_step(cache, logits.shape[0], cuda_graph, greedy=greedy) if max_new_tokens > 1 else None
-        for i in range(max_new_tokens):
-            if not greedy or i == 0:
-                logits = logits[:, -1, :].float()
-                if temperature == 0:
-                    idx_next = logits.argmax(-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                        logits[logits < v[:, [-1]]] = -float("inf")
-                    idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            yield idx_next
-            if i + 1 < max_new_tokens:
-                if greedy:  # the step returns the next token itself
-                    idx_next = step(idx_next)
-                else:
-                    logits = step(idx_next)
-
-    @torch.no_grad()
-    def prefill(self, idx, cache, segment, cuda_graph=False):
-        """Read idx (B, T) into cache in segments of `segment` tokens, the state carried across them;
-        the logits of the last position. cuda_graph (KLA / GDN, at least two full segments): the full segments
-        after the first replayed from one CUDA graph (decode_step for `segment` tokens; no launch work on the host),
-        made once per batch, segment and weights and kept in segment_graphs for later prompts."""
-        B, T = idx.shape
-        logits, _ = self(idx[:, :segment], cache=cache)  # from the empty cache, which then holds its buffers
-        s, n_full = segment, (T - segment) // segment
-        if cuda_graph and self.config.mixer != "attn" and n_full >= 1:
-            key = (B, segment, self.wte.weight.dtype, self.wte.weight.data_ptr())
-            if key not in self.segment_graphs:
-                static = [{k: v.clone() for k, v in c.items()} for c in cache]
-                self.segment_graphs[key] = static, self.decode_step(static, B, cuda_graph=True, length=segment)
-            static, step = self.segment_graphs[key]
-            for buffers, c in zip(static, cache):
-                for k, buf in buffers.items():
-                    buf.copy_(c[k])
-            for s in range(s, s + n_full * segment, segment):
-                logits = step(idx[:, s:s + segment])
-            s += segment
-            for buffers, c in zip(static, cache):  # the cache's own copies: the graph's buffers serve the next prompt
-                c.update({k: buf.clone() for k, buf in buffers.items()})
-            logits = logits.clone()
-        for s in range(s, T, segment):
-            logits, _ = self(idx[:, s:s + segment], cache=cache)
-        return logits
-
-    @torch.no_grad()
-    def prefill_packed(self, prompts, cache):
-        """Read N 1-D prompts of any lengths into the empty cache in one pass (packed, each from a fresh state):
-        the cache then holds a batch of N. The logits of each prompt's last token (N, 1, vocab)."""
-        if self.config.mixer == "attn":
-            raise ValueError("prompts of different lengths are read packed by KLA / GDN only; for attention pad "
-                             "them to one length (B, T)")
-        if not prompts or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
-            raise ValueError(f"prompts must be a non-empty list of non-empty 1-D token tensors, got "
-                             f"{[tuple(p.shape) if torch.is_tensor(p) else type(p).__name__ for p in prompts]}")
-        lens = torch.tensor([0] + [len(p) for p in prompts])
-        cu_seqlens = lens.cumsum(0).to(device=prompts[0].device, dtype=torch.int32)
-        return self(torch.cat(prompts)[None], cache=cache, cu_seqlens=cu_seqlens)[0]
-
-    def decode_step(self, cache, batch, cuda_graph=False, length=1, greedy=False):
-        """A function tokens (B, length) -> logits (B, 1, vocab) that advances cache by length tokens; greedy: ->
-        the next token (B, 1), the argmax of those logits. With cuda_graph, the state lives in fixed buffers
-        updated in place (the forward's new state is copied back into them), so that the step is captured once
-        and replayed (on CUDA; elsewhere the same in-place step runs directly); greedy, the argmax is part of
-        the graph, which writes it into its own input, so that passing back the token it returned copies
-        nothing."""
-        out = (lambda logits: logits[:, -1].argmax(-1, keepdim=True)) if greedy else (lambda logits: logits)
-        if not cuda_graph:
-            return lambda tok: out(self(tok, cache=cache)[0])
-        if self.config.mixer == "attn":
-            raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
-        tok = torch.zeros(batch, length, dtype=torch.long, device=self.wte.weight.device)
-
-        def step():
-            new = [dict(c) for c in cache]  # the forward reads the buffers and puts its new state here
-            logits, _ = self(tok, cache=new)
-            for buffers, fresh in zip(cache, new):
-                for key, buf in buffers.items():
-                    buf.copy_(fresh[key])
-            return logits
-        if tok.device.type != "cuda":  # no graphs: the same in-place step, run directly
-            return lambda token: (tok.copy_(token), out(step()))[1]
-        saved = [{key: buf.clone() for key, buf in c.items()} for c in cache]
-        side = torch.cuda.Stream()  # warm up (compiles the kernels) outside the graph, as CUDA graphs need
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        for buffers, old in zip(cache, saved):  # undo the warm-up's token
-            for key, buf in buffers.items():
-                buf.copy_(old[key])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()
-            if greedy:
-                tok.copy_(out(logits))
-        last = [None]  # the token the greedy graph returned last, which tok still holds
-
-        def replay(token):
-            if token is not last[0]:
-                tok.copy_(token)
-            graph.replay()
-            if not greedy:
-                return logits
-            last[0] = tok.clone()
-            return last[0]
-        return replay
-
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """nanoGPT's interface: the prompt (B, T) followed by max_new_tokens sampled tokens."""
-        return torch.cat([idx, *self.stream(idx, max_new_tokens, temperature, top_k)], 1)
+        """nanoGPT's interface: the prompt (B, T) followed by max_new_tokens tokens (temperature 0: greedy; top_k None:
+        all tokens). The simple path: the prompt read in one pass, then one token at a time from the cache
+        (engine.py's Engine is the fast one)."""
+        check_sampling(temperature, top_k)
+        cache = self.new_cache()
+        logits, _ = self(idx, cache=cache)
+        for i in range(max_new_tokens):
+            idx_next = sample_next(logits[:, -1], temperature, top_k)
+            idx = torch.cat([idx, idx_next], 1)
+            if i + 1 < max_new_tokens:
+                logits, _ = self(idx_next, cache=cache)
+        return idx

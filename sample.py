@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
+from engine import Engine
 from model import GPT, read_checkpoint
 from prepare_data import get_tokenizer
 
@@ -73,8 +74,9 @@ try:
     model.set_backend(device_type)
 except (ValueError, RuntimeError) as err:
     fail(str(err))
+engine = Engine(model)
 if compile:
-    model.compile()  # in place, so that the calls inside model.stream use the compiled forward
+    engine.compile()  # the engine's forward, with the model's inside it
 encode, decode = get_tokenizer(checkpoint["meta"])  # the meta.json of the data it was trained on
 
 if start.startswith("FILE:"):
@@ -104,7 +106,7 @@ with ctx:
         ids, printed = [], ""
         print(start + sep, end="", flush=True)
         t0 = time.time()
-        tokens = model.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None, cuda_graph=use_graph)
+        tokens = engine.stream(x, max_new_tokens, temperature=temperature, top_k=top_k or None, cuda_graph=use_graph)
         for i, tok in enumerate(tokens):
             if i == 0:  # the first token comes right after reading the prompt (prefill)
                 t1 = time.time()

@@ -19,7 +19,7 @@ For every case: relative error ||x - ref|| / ||ref|| of the output, the final st
 Also the decode step (kernel.kla_step) against the recurrent reference, eager and replayed from a CUDA graph;
 the fused decoding kernels (kernel_decode.py) in a one-layer model; the whole model decoding; 256 greedy tokens of
 sample.py's path against the model's plain PyTorch path (KLA and GDN, batch 1 and 64, float32).
-The fused loss (GPTConfig.fused_loss) against float64 alone and against the model without it.
+The fused loss (the model's fused_loss switch) against float64 alone and against the model without it.
 --smoke runs two tiny cases on the CPU in Triton's interpreter (float32 only), to check the script itself.
 """
 
@@ -34,8 +34,10 @@ if "--smoke" in sys.argv:
 
 import torch
 
+import chunked_loss
 import kernel
 import model
+from engine import Engine
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
 
@@ -159,22 +161,22 @@ def check_large(device, gen):
 
 
 def check_decode(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300, autocast=False):
-    """One token through GPT._decode_fused (kernel_decode.py) in a one-layer model of GPT-2-small's width (6 heads,
+    """One token through Engine._decode_fused (kernel_decode.py) in a one-layer model of GPT-2-small's width (6 heads,
     d_k 96, d_v 192) after a 300-token prefill, against the same model in float64 on the recurrent reference
     path, both starting from the reference's prefill state: the logits, the new state and the three
     convolution buffers (relative errors). At batch 1 the block runs as three kernels and the head as one
     (kla_decode_block, decode_linear); at batch > 1, or under autocast (float32 weights), the mixer runs
     between the layer's projections as one kernel (kla_decode_mixer)."""
     torch.manual_seed(0)
-    cfg = model.GPTConfig(n_layer=1, vocab_size=512, n_embd=width, n_head=heads, mixer=mixer, backend="triton")
-    fused = model.GPT(cfg).to(device).to(torch.float32 if autocast else dtype).eval()
+    cfg = model.GPTConfig(n_layer=1, vocab_size=512, n_embd=width, n_head=heads, mixer=mixer)
+    fused = model.GPT(cfg, backend="triton").to(device).to(torch.float32 if autocast else dtype).eval()
     for name, p in fused.named_parameters():  # norms' weights away from their initial ones: a lost one shows
         if "norm" in name:
             p.data.uniform_(0.5, 1.5)
         elif p.dim() == 2 and "conv" not in name:  # embeddings of unit size, projections at unit gain: what
             p.data.normal_(0, 1.0 if name == "wte.weight" else p.shape[1] ** -0.5)  # the block adds to its input
             # is then about as large as the input, so that an error there shows in the logits
-    ref = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "recurrent", "decode_fused": False}))
+    ref = model.GPT(cfg, backend="recurrent", decode_fused=False)
     ref = ref.to(device).double().eval()
     ref.load_state_dict(fused.state_dict())
     idx = torch.randint(512, (B, prompt + 1), device=device)
@@ -187,7 +189,7 @@ def check_decode(device, B, dtype, mixer="kla", width=768, heads=6, prompt=300, 
         for key in c_f[0]:
             c_f[0][key].copy_(c_r[0][key])
         with ctx:
-            y_f = fused(idx[:, prompt:], cache=c_f)[0]
+            y_f = Engine(fused).forward(idx[:, prompt:], c_f)
         y_r = ref(idx[:, prompt:], cache=c_r)[0]
     errs = {"logits": rel(y_f, y_r)}
     errs.update({key: rel(c_f[0][key], c_r[0][key]) for key in ("state", "q_conv", "k_conv", "v_conv")})
@@ -200,24 +202,24 @@ def check_model_decode(device, compiled, fused=True, batch=2):
     graph (and torch.compile'd): its logits at every new token against one full forward over prompt +
     new tokens on the float64 chunkwise reference path; the tokens against plain step-by-step decoding."""
     torch.manual_seed(0)
-    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla",
-                          decode_fused=fused)
-    m = model.GPT(cfg).to(device).eval()
+    cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer="kla")
+    m = model.GPT(cfg, decode_fused=fused).to(device).eval()
     m.set_backend(device)
-    ref = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "chunkwise"})).to(device).double().eval()
+    ref = model.GPT(cfg, backend="chunkwise").to(device).double().eval()
     ref.load_state_dict(m.state_dict())
+    engine = Engine(m)
     if compiled:
-        m.compile(dynamic=True)
+        engine.compile(dynamic=True)
     prompt = torch.randint(512, (batch, 160), device=device)  # segments of 64: the first, one from the graph, 32 more
     graph = device == "cuda"
-    toks = torch.cat(list(m.stream(prompt, 24, temperature=0, cuda_graph=graph, prefill_chunk=64)), 1)
-    plain = torch.cat(list(m.stream(prompt, 24, temperature=0, cuda_graph=False, prefill_chunk=64)), 1)
+    toks = torch.cat(list(engine.stream(prompt, 24, temperature=0, cuda_graph=graph, prefill_chunk=64)), 1)
+    plain = torch.cat(list(engine.stream(prompt, 24, temperature=0, cuda_graph=False, prefill_chunk=64)), 1)
     full = torch.cat([prompt, toks], 1)
     with torch.no_grad():  # the reference's logits at the positions that predicted each new token
         want = ref(full, full)[0][:, prompt.shape[1] - 1:-1]
         cache = m.new_cache()  # the model's own: prefill, then its decode step (graph or not), token by token
-        got = [m.prefill(prompt, cache, 64)]
-        step = m.decode_step(cache, batch, cuda_graph=graph)
+        got = [engine.prefill(prompt, cache, 64)]
+        step = engine.decode_step(cache, batch, cuda_graph=graph)
         for i in range(toks.shape[1] - 1):
             got.append(step(toks[:, i:i + 1]).clone())
     return {"logits": rel(torch.cat(got, 1), want), "tokens_vs_plain": float((toks != plain).float().mean())}
@@ -232,13 +234,13 @@ def check_greedy(device, mixer, batch, new_tokens=256):
     cfg = model.GPTConfig(block_size=512, vocab_size=512, n_layer=2, n_head=4, n_embd=256, mixer=mixer)
     fast = model.GPT(cfg).to(device).eval()
     fast.set_backend(device)
-    plain = model.GPT(model.GPTConfig(**{**cfg.__dict__, "backend": "chunkwise"})).to(device).eval()
+    plain = model.GPT(cfg, backend="chunkwise").to(device).eval()
     plain.load_state_dict(fast.state_dict())
     plain.set_backend(device)
     prompt = torch.randint(512, (batch, 100), device=device)
     with torch.no_grad():
-        got = torch.cat(list(fast.stream(prompt, new_tokens, temperature=0, cuda_graph=device == "cuda")), 1)
-        want = torch.cat(list(plain.stream(prompt, new_tokens, temperature=0)), 1)
+        got = torch.cat(list(Engine(fast).stream(prompt, new_tokens, temperature=0, cuda_graph=device == "cuda")), 1)
+        want = torch.cat(list(Engine(plain).stream(prompt, new_tokens, temperature=0)), 1)
         full = torch.cat([prompt, want[:, :-1]], 1)
         last = [m(full)[0][:, -1] for m in (fast, plain)]
     return float((got != want).float().mean()), rel(*last)
@@ -287,8 +289,8 @@ def check_documents(lines, device, smoke):
             m.eval()
             prompts = [idx[0, a:b] for a, b in bounds]
             with torch.no_grad():
-                together = torch.cat(list(m.stream(prompts, 16, temperature=0, cuda_graph=not smoke)), 1)
-                each = torch.cat([torch.cat(list(m.stream(p[None], 16, temperature=0)), 1) for p in prompts])
+                together = torch.cat(list(Engine(m).stream(prompts, 16, temperature=0, cuda_graph=not smoke)), 1)
+                each = torch.cat([torch.cat(list(Engine(m).stream(p[None], 16, temperature=0)), 1) for p in prompts])
             same = torch.equal(together, each)
             ok = ok and same
             row += f"; packed prompts decoded as one batch: {'the same' if same else 'DIFFERENT'} greedy tokens as each alone"
@@ -299,14 +301,14 @@ def check_documents(lines, device, smoke):
 
 
 def check_fused_loss(lines, device, smoke):
-    """GPTConfig.fused_loss (model.FusedCrossEntropy) on this device, with model.LOSS_CHUNK set so that the rows fall
-    in several chunks, the last one shorter: the loss alone (loss, dx, dw) against float64, float32 and bf16 autocast
+    """The fused_loss switch (chunked_loss.FusedCrossEntropy) on this device, with chunked_loss.LOSS_CHUNK set so that
+    the rows fall in several chunks, the last one shorter: the loss alone (loss, dx, dw) against float64, float32 and bf16 autocast
     (on CUDA its float32 weight-gradient sums run through the kla::add_mm operator), beside the logits'
     F.cross_entropy's own error; and a small model's loss and every parameter's gradient against the model without
     fused_loss in float32. Eager and torch.compile'd. Rows appended to lines; returns the failures."""
     import torch.nn.functional as F
     lines += ["", "fused_loss (relative errors; the loss alone against float64, the model against the model without it):", ""]
-    failures, chunk, device = 0, model.LOSS_CHUNK, torch.device(device)
+    failures, chunk, device = 0, chunked_loss.LOSS_CHUNK, torch.device(device)
     gen = torch.Generator(device).manual_seed(1)
     x0 = torch.randn(900, 64, device=device, generator=gen)
     w0 = torch.randn(1000, 64, device=device, generator=gen) * 0.2
@@ -316,9 +318,9 @@ def check_fused_loss(lines, device, smoke):
     loss = F.cross_entropy(x @ w.t(), t, ignore_index=-1)
     loss.backward()
     ref = [loss.detach(), x.grad, w.grad]
-    paths = {"fused": lambda x, w: model.FusedCrossEntropy.apply(x, w, t),
+    paths = {"fused": lambda x, w: chunked_loss.FusedCrossEntropy.apply(x, w, t),
              "logits": lambda x, w: F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)}
-    model.LOSS_CHUNK = 1000 * 150  # 150 rows a chunk: 900 rows in 6, the model's 2 x 400 in 5 and a shorter one
+    chunked_loss.LOSS_CHUNK = 1000 * 150  # 150 rows a chunk: 900 rows in 6, the model's 2 x 400 in 5 and a shorter one
     try:
         for dtype in (torch.float32, torch.bfloat16):
             for compiled in ((False,) if smoke else (False, True)):
@@ -343,7 +345,7 @@ def check_fused_loss(lines, device, smoke):
             for fused in (False, True):
                 torch.manual_seed(0)
                 m = model.GPT(model.GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=1000, block_size=400,
-                                              chunk_size=16, fused_loss=fused)).to(device)
+                                              chunk_size=16), fused_loss=fused).to(device)
                 m.set_backend(device.type)
                 if compiled:
                     m.compile()
@@ -361,7 +363,7 @@ def check_fused_loss(lines, device, smoke):
                          f"parameter's gradient {err_grad:.1e} {'ok' if ok else 'FAIL'}")
             print(lines[-1], flush=True)
     finally:
-        model.LOSS_CHUNK = chunk
+        chunked_loss.LOSS_CHUNK = chunk
     return failures
 
 

@@ -28,8 +28,10 @@ import triton.language as tl
 
 import kernel
 import kernel_decode
+import chunked_loss
 import model
 import prepare_data
+from engine import Engine
 from model import GPT, GPTConfig, kla_chunkwise, kla_recurrent
 
 torch.set_num_threads(2)
@@ -446,6 +448,57 @@ def test_model_config_errors():
     with pytest.raises(ValueError, match="backend"):
         model.resolve_backend("cuda-magic", "cpu")
 
+@pytest.mark.parametrize("field,value,phrase", [
+    ("n_layer", 2.5, "n_layer must be an integer, got 2.5"), ("n_head", "4", "n_head must be an integer, got '4'"),
+    ("n_layer", True, "n_layer must be an integer, got True"), ("n_embd", 64.0, "n_embd must be an integer, got 64.0"),
+    ("expand_k", "0.75", "expand_k must be a number, got '0.75'"), ("kla_eps", False, "kla_eps must be a number, got False"),
+    ("mixer", None, "mixer must be a string, got None"), ("decay", 1, "decay must be True or False, got 1")])
+def test_model_config_types(field, value, phrase):
+    """A size that is not an integer, or a bool where a number is meant, is refused in one line naming it."""
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        GPTConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kw,phrase", [
+    (dict(top_k=0), "top_k must be an integer >= 1 or None (all tokens), got 0"), (dict(top_k=-2), "got -2"),
+    (dict(top_k=2.5), "got 2.5"), (dict(temperature=-0.5), "temperature must be a finite number >= 0 (0: greedy), got -0.5"),
+    (dict(temperature=float("nan")), "got nan"), (dict(temperature=float("inf")), "got inf")])
+def test_sampling_settings_refused_before_any_work(kw, phrase, monkeypatch):
+    """generate (the reference path) and the engine's generate and stream refuse a top_k < 1 and a negative or
+    non-finite temperature before the model runs."""
+    m = GPT(GPTConfig(block_size=64, vocab_size=61, n_layer=1, n_head=2, n_embd=32)).eval()
+    monkeypatch.setattr(GPT, "forward", lambda *a, **k: pytest.fail("the model ran"))
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    for run in (m.generate, Engine(m).generate, lambda *a, **k: next(Engine(m).stream(*a, **k))):
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            run(prompt, 4, **kw)
+
+
+def test_switches_are_run_time_settings():
+    """The run-time switches (model.SWITCHES) are GPT's, not GPTConfig's: set_switches changes them (every layer
+    follows), a wrong name or value is refused in one line before anything changes; a checkpoint whose model_args
+    still hold them loads, their saved values ignored."""
+    m = GPT(GPTConfig(block_size=64, vocab_size=61, n_layer=2, n_head=2, n_embd=32))
+    assert m.switches == model.SWITCHES
+    m.set_switches(backend="recurrent", recompute=True, recompute_elementwise=True)
+    assert m.switches == dict(model.SWITCHES, backend="recurrent", recompute=True, recompute_elementwise=True)
+    assert all(b.recompute and b.mixer.recompute and b.mixer.backend == "recurrent" for b in m.blocks)
+    for kw, phrase in ((dict(fused=True), "'fused' is not a switch of the model; the switches are backend, "),
+                       (dict(backend="fast"), "backend must be 'auto', 'triton', 'chunkwise' or 'recurrent', got 'fast'"),
+                       (dict(recompute=1), "recompute must be True or False, got 1")):
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            m.set_switches(fused_loss=True, **kw)
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            GPT(m.config, **kw)
+    assert not m.switches["fused_loss"]
+    with pytest.raises(TypeError):
+        GPTConfig(backend="triton")
+    old = dict(model=m.state_dict(), model_args=dict(vars(m.config), backend="triton", recompute=True,
+                                                     recompute_elementwise=True, fused_loss=True, decode_fused=False))
+    loaded = GPT.from_checkpoint(old, fused_loss=True, dropout=0.1)
+    assert loaded.switches == dict(model.SWITCHES, fused_loss=True) and loaded.config.dropout == 0.1
+
+
 # -----------------------------------------------------------------------------
 # The model
 
@@ -453,6 +506,12 @@ def test_model_config_errors():
 def tiny_config(mixer, **kw):
     return GPTConfig(**{**dict(block_size=64, vocab_size=61, n_layer=2, n_head=2, n_embd=32, mixer=mixer,
                                chunk_size=16), **kw})
+
+
+def tiny_gpt(mixer, **kw):
+    """GPT(tiny_config(mixer, **kw)), the run-time switches among kw (model.SWITCHES) given to GPT."""
+    switches = {k: kw.pop(k) for k in model.SWITCHES if k in kw}
+    return GPT(tiny_config(mixer, **kw), **switches)
 
 
 @pytest.mark.slow
@@ -479,7 +538,7 @@ def test_recompute_same_gradients_less_memory(mixer):
     """recompute=True: the same loss and gradients (dropout included: the recomputed branch draws the same mask),
     and fewer bytes kept for the backward than without."""
     cfg = dict(dropout=0.1, chunk_size=8)
-    plain, ckpt = GPT(tiny_config(mixer, **cfg)), GPT(tiny_config(mixer, recompute=True, **cfg))
+    plain, ckpt = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, recompute=True, **cfg)
     ckpt.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 61, (2, 40))
     grads, kept = [], []
@@ -524,6 +583,7 @@ def test_greedy_generate_matches_argmax_of_forward(mixer):
     prompt = torch.randint(0, 61, (2, 7))
     out = m.generate(prompt, max_new_tokens=12, temperature=0)
     assert out.shape == (2, 19) and torch.equal(out[:, :7], prompt)
+    assert torch.equal(Engine(m).generate(prompt, 12, temperature=0), out)  # the fast path: the same tokens
     with torch.no_grad():
         for t in range(7, 19):  # every generated token is the argmax of a fresh full forward
             logits, _ = m(out[:, :t])
@@ -538,8 +598,8 @@ def test_prefill_in_segments(mixer):
     torch.manual_seed(2)
     m = GPT(tiny_config(mixer)).eval()
     prompt = torch.randint(0, 61, (2, 53))
-    one = torch.cat(list(m.stream(prompt, 8, temperature=0, prefill_chunk=53)), 1)
-    seg = torch.cat(list(m.stream(prompt, 8, temperature=0, prefill_chunk=16)), 1)
+    one = torch.cat(list(Engine(m).stream(prompt, 8, temperature=0, prefill_chunk=53)), 1)
+    seg = torch.cat(list(Engine(m).stream(prompt, 8, temperature=0, prefill_chunk=16)), 1)
     assert torch.equal(one, seg)
     with torch.no_grad():
         c1, c2 = m.new_cache(), m.new_cache()
@@ -552,17 +612,18 @@ def test_prefill_in_segments(mixer):
 @pytest.mark.slow
 def test_prefill_segments_from_one_graph():
     """prefill with cuda_graph: the full segments after the first through decode_step's in-place step for a
-    segment (a CUDA graph on CUDA, run directly here), kept on the model and used again for the next prompt: the
+    segment (a CUDA graph on CUDA, run directly here), kept on the engine and used again for the next prompt: the
     same logits and cache as plain segments."""
     torch.manual_seed(3)
     m = GPT(tiny_config("kla")).eval()
+    e = Engine(m)
     for T in (16 * 2 + 3, 16 * 3 + 5, 16 * 4):  # one, two, three full segments after the first
         prompt = torch.randint(0, 61, (2, T))
         c1, c2 = m.new_cache(), m.new_cache()
-        plain, graphed = m.prefill(prompt, c1, 16), m.prefill(prompt, c2, 16, cuda_graph=True)
+        plain, graphed = e.prefill(prompt, c1, 16), e.prefill(prompt, c2, 16, cuda_graph=True)
         assert rel_err(graphed, plain) < 1e-6
         assert all(rel_err(a[k], b[k]) < 1e-6 for a, b in zip(c2, c1) for k in a)
-    assert len(m.segment_graphs) == 1
+    assert len(e.segment_graphs) == 1
 
 
 @pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow)])
@@ -572,11 +633,11 @@ def test_in_place_decoding_step(mixer):
     torch.manual_seed(0)
     m = GPT(tiny_config(mixer)).eval()
     prompt = torch.randint(0, 61, (3, 10))
-    plain = torch.cat(list(m.stream(prompt, 15, temperature=0)), 1)
-    in_place = torch.cat(list(m.stream(prompt, 15, temperature=0, cuda_graph=True)), 1)
+    plain = torch.cat(list(Engine(m).stream(prompt, 15, temperature=0)), 1)
+    in_place = torch.cat(list(Engine(m).stream(prompt, 15, temperature=0, cuda_graph=True)), 1)
     assert torch.equal(plain, in_place)
     with pytest.raises(ValueError, match="fixed-size state"):
-        list(GPT(tiny_config("attn")).stream(prompt, 3, cuda_graph=True))
+        list(Engine(GPT(tiny_config("attn"))).stream(prompt, 3, cuda_graph=True))
 
 
 @pytest.mark.slow
@@ -591,8 +652,8 @@ def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
     with torch.no_grad():
         c1, c2 = m.new_cache(), m.new_cache()
         for c in (c1, c2):
-            m.prefill(prompt, c, 16)
-        greedy, plain = m.decode_step(c1, 3, cuda_graph, greedy=True), m.decode_step(c2, 3, cuda_graph)
+            Engine(m).prefill(prompt, c, 16)
+        greedy, plain = Engine(m).decode_step(c1, 3, cuda_graph, greedy=True), Engine(m).decode_step(c2, 3, cuda_graph)
         tok = torch.randint(0, 61, (3, 1))
         for _ in range(6):
             want = plain(tok)[:, -1].argmax(-1, keepdim=True)
@@ -600,8 +661,8 @@ def test_greedy_decoding_step_returns_the_argmax(cuda_graph):
             assert got.shape == (3, 1) and torch.equal(got, want)
             tok = got
     torch.manual_seed(1)
-    sampled = torch.cat(list(m.stream(prompt, 20, temperature=5.0, cuda_graph=cuda_graph)), 1)
-    assert sampled.shape == (3, 20) and not torch.equal(sampled, torch.cat(list(m.stream(prompt, 20, temperature=0)), 1))
+    sampled = torch.cat(list(Engine(m).stream(prompt, 20, temperature=5.0, cuda_graph=cuda_graph)), 1)
+    assert sampled.shape == (3, 20) and not torch.equal(sampled, torch.cat(list(Engine(m).stream(prompt, 20, temperature=0)), 1))
 
 
 @pytest.mark.slow
@@ -612,13 +673,13 @@ def test_packed_prompts_decode_as_each_alone(mixer, backend):
     pass, then decoded as one batch: each prompt's greedy tokens and last logits as when it is decoded alone,
     and the cache holds one state and one convolution window per prompt (fp32; 'triton' in the interpreter)."""
     torch.manual_seed(3)
-    m = GPT(tiny_config(mixer, backend=backend, chunk_size=8)).eval()
+    m = tiny_gpt(mixer, backend=backend, chunk_size=8).eval()
     prompts = [torch.randint(0, 61, (n,)) for n in (1, 2, 37, 9)]
-    packed = torch.cat(list(m.stream(prompts, 10, temperature=0)), 1)  # (4, 10)
+    packed = torch.cat(list(Engine(m).stream(prompts, 10, temperature=0)), 1)  # (4, 10)
     for p, row in zip(prompts, packed):
-        assert torch.equal(torch.cat(list(m.stream(p[None], 10, temperature=0)), 1)[0], row)
+        assert torch.equal(torch.cat(list(Engine(m).stream(p[None], 10, temperature=0)), 1)[0], row)
     cache = m.new_cache()
-    logits = m.prefill_packed(prompts, cache)
+    logits = Engine(m).prefill_packed(prompts, cache)
     with torch.no_grad():
         alone = torch.cat([m(p[None])[0] for p in prompts])
     assert logits.shape == (4, 1, 61) and rel_err(logits, alone) < 1e-5
@@ -630,11 +691,11 @@ def test_packed_prompts_decode_as_each_alone(mixer, backend):
                 for name in ("state", "q_conv", "k_conv", "v_conv"):
                     assert st[name].shape[0] == 4 and rel_err(st[name][n], st1[name][0]) < 1e-5, (n, name)
     with pytest.raises(ValueError, match="empty cache"):
-        m.prefill_packed(prompts, cache)
+        Engine(m).prefill_packed(prompts, cache)
     with pytest.raises(ValueError, match="non-empty 1-D"):
-        m.prefill_packed([prompts[0], prompts[0][:0]], m.new_cache())
+        Engine(m).prefill_packed([prompts[0], prompts[0][:0]], m.new_cache())
     with pytest.raises(ValueError, match="KLA / GDN only"):
-        GPT(tiny_config("attn")).prefill_packed(prompts, [{}])
+        Engine(GPT(tiny_config("attn"))).prefill_packed(prompts, [{}])
 
 
 FALLBACK = """import sys, warnings
@@ -669,7 +730,7 @@ def test_backends_agree_in_the_model():
     torch.manual_seed(0)
     m = GPT(tiny_config("kla"))
     assert m.set_backend("cpu") == "chunkwise"  # 'auto' on a CPU
-    rec = GPT(tiny_config("kla", backend="recurrent"))
+    rec = tiny_gpt("kla", backend="recurrent")
     rec.load_state_dict(m.state_dict())
     assert rec.set_backend("cpu") == "recurrent"
     idx = torch.randint(0, 61, (2, 40))
@@ -713,7 +774,7 @@ def test_layer_on_packed_documents_equals_each_alone(mixer, backend):
     the gradients, of that document run alone (fp32): the state, the short convolutions and attention stay
     within each document. Without cu_seqlens the documents see each other."""
     torch.manual_seed(0)
-    layer = GPT(tiny_config(mixer, backend=backend, chunk_size=8)).blocks[0].mixer
+    layer = tiny_gpt(mixer, backend=backend, chunk_size=8).blocks[0].mixer
     x = torch.randn(1, DOCS[-1], 32, requires_grad=True)
     alone = output_and_grads(layer, each_alone(layer, x), x)
     for cu_seqlens in (DOCS, DOCS.int()):
@@ -730,7 +791,7 @@ def test_model_on_packed_documents_equals_each_alone(mixer, backend):
     """The whole model on packed documents: each document's loss, and the gradients of the mean loss (the
     documents' losses weighted by their lengths), as the documents run one at a time (fp32)."""
     torch.manual_seed(0)
-    m = GPT(tiny_config(mixer, backend=backend, chunk_size=8))
+    m = tiny_gpt(mixer, backend=backend, chunk_size=8)
     idx, targets = torch.randint(0, 61, (2, 1, DOCS[-1]))
     logits, loss = m(idx, targets, cu_seqlens=DOCS)
     token_losses = F.cross_entropy(logits[0], targets[0], reduction="none")
@@ -1390,7 +1451,7 @@ def test_model_compiles_to_one_graph_with_the_kernel():
     """With the kernel as an operator the whole model compiles to one graph (fullgraph=True: no break at the
     mixers), with the eager model's loss and gradients."""
     torch.manual_seed(0)
-    m = GPT(tiny_config("kla", chunk_size=64, backend="triton"))
+    m = tiny_gpt("kla", chunk_size=64, backend="triton")
     idx, tgt = torch.randint(m.config.vocab_size, (2, 2, 70)).unbind(0)
     _, loss = m(idx, tgt)
     ref = torch.autograd.grad(loss, list(m.parameters()))
@@ -1405,7 +1466,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
     through the kernel's decoding step."""
     torch.manual_seed(0)
     ref = GPT(tiny_config("kla", chunk_size=64))
-    tri = GPT(tiny_config("kla", chunk_size=64, backend="triton"))
+    tri = tiny_gpt("kla", chunk_size=64, backend="triton")
     tri.load_state_dict(ref.state_dict())
     assert tri.set_backend("cpu") == "triton"
     idx = torch.randint(0, 61, (2, 70))
@@ -1416,7 +1477,7 @@ def test_model_on_the_kernel_matches_the_reference_path():
     for (name, p1), p2 in zip(ref.named_parameters(), tri.parameters()):
         assert rel_err(p2.grad, p1.grad) < 1e-4, name
     prompt = idx[:, :9]
-    assert torch.equal(tri.generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
+    assert torch.equal(Engine(tri).generate(prompt, 8, temperature=0), ref.generate(prompt, 8, temperature=0))
 
 
 @pytest.mark.slow
@@ -1427,13 +1488,13 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
     """kernel_decode.kla_decode_mixer (the mixer between its projections as one kernel, used when decoding on the
     Triton backend; with the fifth size, d_v 512, in eight blocks of 64) and at batch 1 the whole block
     (the last size: a convolution of 3 in a block of 4, d_v 64 in two value blocks of the state kernel, the
-    heads' norm with an epsilon of its own) as three kernels and the head as one (model.GPT._decode_fused,
+    heads' norm with an epsilon of its own) as three kernels and the head as one (engine.Engine._decode_fused,
     kernel_decode.kla_decode_block and decode_linear) against the same model decoding through the layers' PyTorch code and the step kernel: logits, the carried state and convolution
     buffers, token by token; greedy generation equal."""
     torch.manual_seed(0)
     size = {"conv_size": 4, **size}
-    fused = GPT(tiny_config(mixer, backend="triton", **size))
-    plain = GPT(tiny_config(mixer, backend="triton", decode_fused=False, **size))
+    fused = tiny_gpt(mixer, backend="triton", **size)
+    plain = tiny_gpt(mixer, backend="triton", decode_fused=False, **size)
     plain.load_state_dict(fused.state_dict())
     for m in (fused, plain):
         m.set_backend("cpu")
@@ -1451,13 +1512,13 @@ def test_fused_decode_step_matches_the_layer(mixer, batch, size, monkeypatch):
             m(prompt, cache=c)
         for step in range(5):
             tok = torch.randint(0, 61, (batch, 1))
-            (lf, _), (lp, _) = fused(tok, cache=caches[0]), plain(tok, cache=caches[1])
+            lf, lp = Engine(fused).forward(tok, caches[0]), Engine(plain).forward(tok, caches[1])
             assert rel_err(lf, lp) < 1e-5, step
             for layer_f, layer_p in zip(*caches):
                 for key in ("state", "q_conv", "k_conv", "v_conv"):
                     assert rel_err(layer_f[key], layer_p[key]) < 1e-5, (step, key)
     assert calls == (["block", "block", "head"] * 5 if batch == 1 else [])  # batch 1: two blocks, the head; five tokens
-    assert torch.equal(fused.generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
+    assert torch.equal(Engine(fused).generate(prompt, 6, temperature=0), plain.generate(prompt, 6, temperature=0))
 
 
 @pytest.mark.slow
@@ -1466,7 +1527,7 @@ def test_fused_decode_step_is_one_graph():
     cache in place) traces as one torch.compile graph holding every layer's mixer (a torch.compiler.disable'd
     mixer ended the graph at the first one), and gives the uncompiled step's logits and cache."""
     torch.manual_seed(0)
-    m = GPT(tiny_config("kla", backend="triton"))
+    m = tiny_gpt("kla", backend="triton")
     m.set_backend("cpu")
     m.eval()
     caches = [m.new_cache(), m.new_cache(), m.new_cache()]  # the last one for the trace, which runs the step
@@ -1474,13 +1535,14 @@ def test_fused_decode_step_is_one_graph():
     with torch.no_grad():
         for c in caches:
             m(torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1)), cache=c)
-        assert m._decodes_fused(tok, caches[0])
-        explained = torch._dynamo.explain(m)(tok, cache=caches[2])
+        e = Engine(m)
+        assert e.decodes_fused(tok, caches[0])
+        explained = torch._dynamo.explain(e.forward)(tok, caches[2])
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
         mixers = [n for n in explained.graphs[0].graph.nodes if "decode_mixer" in str(n.target)]
         assert len(mixers) == m.config.n_layer  # every layer's mixer inside the one graph
         torch._dynamo.reset()
-        (logits, _), (ref, _) = torch.compile(m, backend="eager")(tok, cache=caches[1]), m(tok, cache=caches[0])
+        logits, ref = torch.compile(e.forward, backend="eager")(tok, caches[1]), e.forward(tok, caches[0])
     assert rel_err(logits, ref) < 1e-6
     for a, b in zip(caches[0], caches[1]):
         for key in ("state", "q_conv", "k_conv", "v_conv"):
@@ -3438,20 +3500,20 @@ def test_fused_decoding_is_bypassed_where_it_cannot_follow(kw, batch, monkeypatc
     torch.manual_seed(0)
     prompt = torch.randint(0, 61, (batch, 9))
     for cfg, fused in ((kw, False), ({}, True)):
-        m = GPT(tiny_config("kla", backend="triton", **cfg)).eval()
+        m = tiny_gpt("kla", backend="triton", **cfg).eval()
         m.set_backend("cpu")
         cache = m.new_cache()
         with torch.no_grad():
             m(prompt, cache=cache)
-            assert m._decodes_fused(prompt[:, :1], cache) == fused, cfg
+            assert Engine(m).decodes_fused(prompt[:, :1], cache) == fused, cfg
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fused decoding kernel ran")
     for name in ("kla_decode_mixer", "kla_decode_block", "decode_linear"):
         monkeypatch.setattr(kernel_decode, name, refuse)
-    m = GPT(tiny_config("kla", backend="triton", **kw)).eval()
+    m = tiny_gpt("kla", backend="triton", **kw).eval()
     m.set_backend("cpu")
-    out = m.generate(prompt, 6, temperature=0)
+    out = Engine(m).generate(prompt, 6, temperature=0)
     with torch.no_grad():
         logits, _ = m(out[:, :-1], targets=out[:, 1:])
     assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])
@@ -3471,7 +3533,7 @@ def test_step_rules_on_triton_match_float64(rule, capsys):
     out = outputs_and_grads(model.linear_attention, [x.float() for x in inputs], backend="triton", rule=rule)
     for name, a, b in zip(NAMES, out, ref):
         assert a.dtype == torch.float32 and rel_err(a, b) < 1e-5, name  # about 10x the error measured (float32): 9.6e-7
-    m = GPT(tiny_config("kla", backend="triton", step_rule=rule))
+    m = tiny_gpt("kla", backend="triton", step_rule=rule)
     assert m.set_backend("cpu") == "triton" and all(block.mixer.backend == "triton" for block in m.blocks)
     assert capsys.readouterr().out == ""
 
@@ -4182,7 +4244,7 @@ def test_prepare_data_errors_keep_the_old_dataset(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# Training memory switches: GPTConfig.recompute_elementwise and fused_loss change what the forward keeps for the
+# Training memory switches: GPT's recompute_elementwise and fused_loss change what the forward keeps for the
 # backward, not the loss or the gradients
 
 
@@ -4201,14 +4263,20 @@ def loss_and_grads(m, idx, targets, cu_seqlens=None, seed=5):
 def test_memory_switches_same_loss_and_gradients(mixer, backend, packed, switch, monkeypatch):
     """Each switch gives the loss and every parameter's gradient of the model without it (float32, dropout on,
     ignored targets among them; packed documents too), and keeps fewer bytes for the backward."""
-    if mixer == "attn" and switch != "fused_loss":
-        with pytest.raises(ValueError, match="recompute_elementwise is for the KLA / GDN layer"):
-            GPTConfig(mixer="attn", recompute_elementwise=True)
+    if mixer == "attn" and switch == "recompute_elementwise":  # no effect on attention layers: the same step
+        cfg = dict(dropout=0.1, chunk_size=8)
+        plain, switched = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, recompute_elementwise=True, **cfg)
+        switched.load_state_dict(plain.state_dict())
+        idx = torch.randint(0, 61, (1 if packed else 2, DOCS[-1] if packed else 40))
+        cu_seqlens = DOCS if packed else None
+        for a, b in zip(loss_and_grads(plain, idx, idx, cu_seqlens), loss_and_grads(switched, idx, idx, cu_seqlens),
+                        strict=True):
+            assert torch.equal(a, b)
         return
-    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # chunks of 7 rows: several, the last shorter
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK", 61 * 7)  # chunks of 7 rows: several, the last shorter
     switches = ["recompute_elementwise", "fused_loss"] if switch == "both" else [switch]
     cfg = dict(dropout=0.1, chunk_size=8, backend=backend)
-    plain, lean = GPT(tiny_config(mixer, **cfg)), GPT(tiny_config(mixer, **cfg, **dict.fromkeys(switches, True)))
+    plain, lean = tiny_gpt(mixer, **cfg), tiny_gpt(mixer, **cfg, **dict.fromkeys(switches, True))
     lean.load_state_dict(plain.state_dict())
     idx, targets = torch.randint(0, 61, (2, 1 if packed else 2, DOCS[-1] if packed else 40))
     targets[0, :3] = -1
@@ -4229,7 +4297,7 @@ def test_memory_switches_same_loss_and_gradients(mixer, backend, packed, switch,
 def test_fused_loss_only_when_training():
     """fused_loss: with gradients the forward returns no logits (none are kept); without (evaluation), the logits
     and the same loss as before; every target ignored gives the same NaN loss as F.cross_entropy's mean."""
-    plain, fused = GPT(tiny_config("kla")), GPT(tiny_config("kla", fused_loss=True))
+    plain, fused = tiny_gpt("kla"), tiny_gpt("kla", fused_loss=True)
     fused.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 61, (2, 20))
     logits, loss = fused(idx, idx)
@@ -4249,7 +4317,7 @@ def test_evaluation_loss_in_chunks(monkeypatch):
     idx = torch.randint(0, 61, (3, 20))
     targets = idx.clone()
     targets[0, :5] = -1
-    monkeypatch.setattr(model, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: the 60 rows in 8 chunks of 7 and one of 4
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK", 61 * 7)  # 7 rows a chunk: the 60 rows in 8 chunks of 7 and one of 4
     rows, cross_entropy = [], F.cross_entropy
     monkeypatch.setattr(F, "cross_entropy", lambda x, *a, **k: rows.append(x.shape[0]) or cross_entropy(x, *a, **k))
     with torch.no_grad():

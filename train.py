@@ -223,8 +223,7 @@ config = {k: globals()[k] for k in config_keys}  # the resolved config, saved in
 # the model's own checks (e.g. n_embd divisible by n_head); the vocabulary comes from the data, below
 model_args = dict(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mixer=mixer,
                   step_rule=step_rule, decay=decay, expand_k=expand_k, expand_v=expand_v, conv_size=conv_size,
-                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend, dropout=dropout,
-                  recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
+                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, dropout=dropout)
 try:
     GPTConfig(**model_args)
 except ValueError as err:
@@ -447,8 +446,8 @@ try:
 except ValueError as err:
     fail(str(err))
 try:
-    how = dict(backend=backend, dropout=dropout, recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
-    model = GPT.from_checkpoint(checkpoint, **how) if init_from == "resume" else GPT(gptconf)
+    switches = dict(backend=backend, recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
+    model = GPT.from_checkpoint(checkpoint, dropout=dropout, **switches) if init_from == "resume" else GPT(gptconf, **switches)
 except ValueError as err:
     fail(f"{ckpt_path}: {err}")
 model.to(device)

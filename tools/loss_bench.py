@@ -2,8 +2,8 @@
 The training loss's cost alone: the tied lm_head and the cross-entropy, forward and backward, compiled, at the
 whole model's training shape (32 x 2048 rows of width 768, vocabulary 50304, bf16 autocast), in one process:
 
-    logits      F.linear, then F.cross_entropy on the float32 logits (GPTConfig.fused_loss off)
-    fused@2^N   model.FusedCrossEntropy (GPTConfig.fused_loss) with model.LOSS_CHUNK = 2^N logits a chunk
+    logits      F.linear, then F.cross_entropy on the float32 logits (the fused_loss switch off)
+    fused@2^N   chunked_loss.FusedCrossEntropy (the fused_loss switch) with chunked_loss.LOSS_CHUNK = 2^N logits a chunk
 
     python3 tools/loss_bench.py                      # on a GPU: ms a call (median), peak GiB, and the gradients'
                                                      # largest difference from the 'logits' row's
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-import model as kla_model
+import chunked_loss
 
 rows = 32 * 2048
 width = 768
@@ -32,7 +32,7 @@ def plain(x, w, t):
 
 
 def fused(x, w, t):
-    return kla_model.FusedCrossEntropy.apply(x, w, t)
+    return chunked_loss.FusedCrossEntropy.apply(x, w, t)
 
 
 def main():
@@ -53,7 +53,7 @@ def main():
     ref = None
     for name, fn, chunk in variants:
         if chunk is not None:
-            kla_model.LOSS_CHUNK = chunk
+            chunked_loss.LOSS_CHUNK = chunk
         torch._dynamo.reset()
         step = torch.compile(fn)
         x = x0.clone().requires_grad_()

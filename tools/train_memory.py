@@ -8,7 +8,7 @@ leaves allocated and the peak of the whole step (forward, backward, AdamW), eage
     TRITON_INTERPRET=1 python3 tools/train_memory.py --device=cpu --dtype=bfloat16 --batch_size=1 --block_size=128 \
         --n_layer=2 --backend=triton             # on a CPU: the kernel in Triton's interpreter (or --backend=chunkwise)
 
-A mixer spec is bench.py's train section's: 'kla', 'gdn' or 'attn', then ':'-separated GPTConfig switches set True
+A mixer spec is bench.py's train section's: 'kla', 'gdn' or 'attn', then ':'-separated GPT switches set True
 ('kla:recompute'). Each tensor saved for the backward (torch.autograd.graph.saved_tensors_hooks) is counted once
 (by storage: its bytes are the storage's, its shape that of the first view seen), under the module that saved
 it first; the weights are left out, and tensors of a weight's shape
@@ -61,8 +61,8 @@ MiB = 2**20
 def build(spec):
     name, *switches = spec.split(":")
     cfg = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                    mixer=name, backend=backend, **{s: True for s in switches})
-    m = GPT(cfg).to(device)
+                    mixer=name)
+    m = GPT(cfg, backend=backend, **{s: True for s in switches}).to(device)
     m.set_backend(device)
     return m, m.configure_optimizers(0.1, 3e-4, (0.9, 0.95), device)
 
