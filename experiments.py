@@ -64,6 +64,7 @@ import tempfile
 import time
 
 from prepare_data import write_file
+from run_safety import IN_USE, NOTHING_LEFT, read_log
 
 TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
          "sniah": ("config/sniah.py", "sniah", "accuracy"),
@@ -103,7 +104,6 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 # -----------------------------------------------------------------------------
 here = os.path.dirname(os.path.abspath(__file__))
 MIXERS = ("kla", "gdn", "attn")  # train.py --mixer
-NOTHING_LEFT = 3  # train.py's exit status for a resume with nothing left to train
 
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 check("tasks", not tasks or all(t in TASKS for t in tasks.split(",")),
@@ -211,23 +211,6 @@ def check_folders():
         check(key, not why, f"a folder that can be made and written ({why})")
 
 
-def read_log(out_dir):
-    """The records of the run's log.jsonl ([] without one); a line cut short by a kill is left out."""
-    records = []
-    try:
-        with open(os.path.join(out_dir, "log.jsonl"), errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if line.endswith("\n") and isinstance(record, dict):
-                    records.append(record)
-    except OSError:
-        pass
-    return records
-
-
 def checkpoint_iter(out_dir):
     """(the iteration of the run's ckpt.pt, ''): (None, '') without one, (None, why) if it cannot be read. The
     file is mapped, not read: only the iteration is looked at."""
@@ -254,7 +237,7 @@ def read_eval(out_dir):
         ev["mixer"], ev["seed"], ev["iter_num"], [r["length"] for r in ev["results"]]  # what collected() reads
     except (OSError, ValueError, KeyError, TypeError) as err:
         return None, f"its eval.json is unreadable ({type(err).__name__}: {err})"
-    log = read_log(out_dir)
+    log = read_log(os.path.join(out_dir, "log.jsonl"))
     if not log or "end" not in log[-1]:
         reached = f" and reaches iteration {log[-1].get('iter')}" if log else ""
         return None, (f"its eval.json (of iteration {ev['iter_num']}) was written before the run ended (its log.jsonl "
@@ -334,7 +317,7 @@ def record_stop(out_dir, why):
     run is done. A resume (e.g. with a higher --max_iters) goes on from the checkpoint, and train.py drops this
     record as it drops every record from the checkpoint's iteration on."""
     path = os.path.join(out_dir, "log.jsonl")
-    last = max((r.get("iter", 0) for r in read_log(out_dir)), default=0)
+    last = max((r.get("iter", 0) for r in read_log(os.path.join(out_dir, "log.jsonl"))), default=0)
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -394,7 +377,7 @@ def run_all(todo):
             if p.poll() is None:
                 continue
             del running[out_dir]
-            if p.returncode == getattr(os, "EX_TEMPFAIL", None):
+            if p.returncode == IN_USE:
                 # train.py found the run in use by another train.py (another experiments.py over this --root):
                 # that one trains and evaluates it; here it is neither evaluated nor counted as done
                 print(f"[{time.time() - t0:6.0f}s] left alone {out_dir}: in use by another train.py", flush=True)
@@ -442,7 +425,7 @@ def collected(task, column, quiet=False):
             if not quiet:
                 print(f"skipped {name}: {why}")
             continue
-        log = read_log(os.path.join(root, name))
+        log = read_log(os.path.join(root, name, "log.jsonl"))
         vals = [r["val_loss"] for r in log if "val_loss" in r]
         tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
         last = max((r.get("iter", 0) for r in log), default=0)
