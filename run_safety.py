@@ -179,8 +179,8 @@ def read_meta(data_path, dataset, block_size, documents, sample_tokens, master):
                  "set --sample_tokens=0, or make the encoding available (pip install tiktoken; offline, set "
                  "TIKTOKEN_CACHE_DIR to a cache that holds it)")
     if not example_length and not os.path.exists(os.path.join(data_path, "test.bin")):  # evaluate.py reports test
-        fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py --dataset={dataset}), "
-             "which splits it by document into train, val and test")
+        fail(f"{data_path} has no test split (test.bin): prepare it again (python prepare_data.py "
+             f"--dataset={dataset}), which splits it by document into train, val and test")
     return meta
 
 
@@ -231,9 +231,10 @@ def read_checkpoint(path, device="cpu", needs=("model", "model_args")):
     except Exception as err:
         lines = str(err).splitlines() or [""]
         detail = lines[0]
-        if "weights_only" in detail:  # PyTorch's advice to load with weights_only=False: never for a file we cannot trust
+        if "weights_only" in detail:  # PyTorch's advice to load with weights_only=False: never for an untrusted file
             detail = next((line.strip() for line in lines[1:] if line.strip() and "weights_only" not in line
-                           and "WeightsUnpickler" not in line), "not a checkpoint written by train.py, or a damaged one")
+                           and "WeightsUnpickler" not in line),
+                          "not a checkpoint written by train.py, or a damaged one")
         raise ValueError(f"cannot load {path}: {type(err).__name__}: {detail}") from None
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not the dict of a checkpoint that train.py "
@@ -279,10 +280,11 @@ def read_resume(ckpt_path, model_args, config, meta, data_path):
         fail(f"{ckpt_path} is at iteration {iter_num}, max_iters = {max_iters}: nothing left to train; "
              "set --max_iters higher", NOTHING_LEFT)
     # a run that ended keeps its best weights, often of an earlier iteration than its end: going on from them
-    # would train again what the run has done, so only a higher max_iters or patience continues it
+    # would train again what the run has done, so only a higher max_iters or patience continues it. An end record
+    # before the checkpoint's iteration is of the run before a resume that saved and was then killed
     out_dir = os.path.dirname(ckpt_path)
     log = read_log(os.path.join(out_dir, "log.jsonl"))
-    end = log[-1] if log and "end" in log[-1] else None
+    end = log[-1] if log and "end" in log[-1] and log[-1]["iter"] >= iter_num else None
     best = f"its best weights, of iteration {iter_num}, are in {ckpt_path}"
     if end and end["end"] == "max_iters" and end["iter"] >= max_iters:
         fail(f"{out_dir}: the run ended at max_iters = {end['iter']} ({best}): nothing left to train; "
@@ -369,24 +371,34 @@ def _write_whole(path, write):
     return tmp
 
 
-def save_checkpoint(ckpt_path, checkpoint):
+def save_checkpoint(ckpt_path, checkpoint, log):
     """Write ckpt_path atomically: a complete temporary file is fsynced and renamed over the old one, and the folder
-    is fsynced, so a crash at any moment leaves the last good checkpoint."""
+    is fsynced, so a crash at any moment leaves the last good checkpoint. log's records held since a resume (RunLog)
+    are written beside it and renamed right after it, so that a save that fails leaves the log as it was too."""
     import torch
     iter_num = checkpoint["iter_num"]
     if not all(torch.isfinite(t).all() for t in checkpoint["model"].values() if t.is_floating_point()):
         fail(f"the weights are not finite at iteration {iter_num}; {ckpt_path} keeps the last good ones")
+    tmps, writing = [], ckpt_path
     with uninterrupted():
         try:
-            os.replace(_write_whole(ckpt_path, lambda f: torch.save(checkpoint, f)), ckpt_path)
+            tmps.append(_write_whole(ckpt_path, lambda f: torch.save(checkpoint, f)))
+            if log.held is not None:
+                writing = log.path
+                tmps.append(_write_whole(log.path, lambda f: f.write("".join(log.held).encode())))
+            for tmp in tmps:
+                os.replace(tmp, tmp.removesuffix(".tmp"))
             _fsync_folder(ckpt_path)
         except BaseException as err:
-            _remove(ckpt_path + ".tmp")
+            _remove(*(path + ".tmp" for path in (ckpt_path, log.path)))
             if not isinstance(err, OSError):
                 raise
+            if writing == log.path:
+                fail(f"cannot write {log.path}: {write_error(err)}")
             fail(f"cannot write {ckpt_path} at iteration {iter_num}: {write_error(err)}; the last checkpoint saved is "
                  "untouched" + ("; free some space, then continue with --init_from=resume" if err.errno == errno.ENOSPC
                                 else ""))
+        log.held = None
         _run["saved"] = iter_num
 
 
@@ -413,25 +425,39 @@ def write_error(err):
 class RunLog:
     """out_dir/log.jsonl, the machine-readable twin of the printed lines; log(record) appends one. A new run starts
     a new log. A resumed one keeps the records of the iterations before its checkpoint's, so that the log is that of
-    the run it continues (a killed run may have logged past its last checkpoint)."""
+    the run it continues (a killed run may have logged past its last checkpoint), and holds its own records in memory
+    until it first saves a checkpoint (save_checkpoint writes them with it) or logs its end: a resume that fails before
+    (out of memory at once, a full disk at its first save) leaves the log of the run as it was, end record included."""
 
     def __init__(self, path, resumed_at=None):
         self.path = path
         records = read_log(path) if resumed_at is not None else []
-        kept = "".join(json.dumps(r) + "\n" for r in records if r["iter"] < resumed_at)
-        with uninterrupted():
-            try:
-                os.replace(_write_whole(path, lambda f: f.write(kept.encode())), path)
-            except OSError as err:
-                _remove(path + ".tmp")
-                fail(f"cannot write {path}: {write_error(err)}")
+        self.held = [json.dumps(r) + "\n" for r in records if r["iter"] < resumed_at and "end" not in r]
+        if len(self.held) == len(records):  # nothing of the log is dropped (a new run, a resume without a log)
+            self.commit()
 
     def __call__(self, record):
+        line = json.dumps(record) + "\n"
+        if self.held is not None:
+            self.held.append(line)
+            if "end" in record:
+                self.commit()
+            return
         try:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(line)
         except OSError as err:
             fail(f"cannot write {self.path}: {write_error(err)}")
+
+    def commit(self):
+        """Replace the log with the records held."""
+        with uninterrupted():
+            try:
+                os.replace(_write_whole(self.path, lambda f: f.write("".join(self.held).encode())), self.path)
+            except OSError as err:
+                _remove(self.path + ".tmp")
+                fail(f"cannot write {self.path}: {write_error(err)}")
+        self.held = None
 
 
 # -----------------------------------------------------------------------------

@@ -2439,6 +2439,40 @@ def test_resume_of_an_ended_run(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+def test_a_resume_that_fails_before_it_saves_keeps_the_log(tiny_data, tmp_path):
+    """A run that stopped early, resumed at a higher patience that fails before its first save (out of memory at its
+    first step, a full disk at its first save), leaves its checkpoint and its log as they were, the end record
+    included: a resume at the old patience is still refused, one at the higher patience trains."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--warmup_iters=0", "--decay_lr=False",
+            "--weight_decay=0", "--eval_interval=3", "--max_iters=30"]
+    assert run("train.py", *args, "--learning_rate=1e-2", "--max_iters=9").returncode == 0
+    p = run("train.py", *args, "--learning_rate=3", "--patience=1", "--init_from=resume")  # worse after its best
+    assert p.returncode == 0 and train_log(str(tmp_path))[-1]["end"] == "early stop", p.stderr
+    files = lambda: [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")]  # noqa: E731
+    before = files()
+    train = (f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    oom = ("import runpy, sys, torch\n"
+           "def oom(*args, **kw):\n"
+           "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+           "torch.nn.utils.clip_grad_norm_ = oom\n")
+    full_disk = ("import errno, os, runpy, sys, torch\n"
+                 "def save(obj, f):\n"
+                 "    f.write(b'half a checkpoint')\n"
+                 "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+                 "torch.save = save\n")
+    for sabotage, said in ((oom, "error: out of memory"), (full_disk, "no space left on the device")):
+        p = run("-c", sabotage + train, *args, "--learning_rate=3", "--patience=2", "--always_save_checkpoint=True",
+                "--init_from=resume")
+        assert_clean_error(p, said)
+        assert files() == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt", "log.jsonl"]
+    p = run("train.py", *args, "--learning_rate=3", "--patience=1", "--init_from=resume")
+    assert_clean_error(p, "the run stopped early", "nothing left to train at patience = 1")
+    assert p.returncode == 3 and files() == before
+    p = run("train.py", *args, "--learning_rate=0", "--patience=2", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+
+
 def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path):
     """A resumed run's first evaluation (the checkpoint's own weights) does not count against patience; the
     untrained model at iteration 0 is never taken as the best, so a run whose later evaluations are worse

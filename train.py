@@ -171,8 +171,8 @@ if ddp:
 tokens_per_iter = gradient_accumulation_steps * world_size * batch_size * block_size
 if master_process:
     print(f"tokens per iteration: {tokens_per_iter:,} ({gradient_accumulation_steps} x {world_size} x {batch_size} x "
-          f"{block_size})\nlearning rate {learning_rate:.1e}, " + (f"warmup {warmup_iters} iterations, cosine decay to {min_lr:.1e} "
-          f"at iteration {lr_decay_iters}" if decay_lr else "constant"))
+          f"{block_size})\nlearning rate {learning_rate:.1e}, " + (f"warmup {warmup_iters} iterations, cosine decay "
+          f"to {min_lr:.1e} at iteration {lr_decay_iters}" if decay_lr else "constant"))
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -336,7 +336,7 @@ while True:
                         "scaler": scaler.state_dict(), "model_args": model_args, "config": config,
                         "meta": meta,  # the tokenizer, so that sample.py needs no data directory
                         "iter_num": iter_num, "best_val_loss": best_val_loss, "evals_since_best": evals_since_best,
-                        "rng": run_safety.rng_state()})
+                        "rng": run_safety.rng_state()}, log)
                     print(f"saved checkpoint to {ckpt_path}")
             # logged after the save: a run killed between the two resumes from that checkpoint and logs this
             # evaluation again, and a log with an evaluation past iteration 0 always has a checkpoint beside it
