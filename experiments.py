@@ -64,7 +64,7 @@ import tempfile
 import time
 
 from prepare_data import write_file
-from run_safety import IN_USE, NOTHING_LEFT, read_log
+from run_safety import IN_USE, NOTHING_LEFT, open_output, read_log
 
 TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
          "sniah": ("config/sniah.py", "sniah", "accuracy"),
@@ -304,8 +304,12 @@ children = []  # every train.py and evaluate.py started, to stop those still run
 
 
 def launch(cmd, out_dir, log_name, gpu=None, append=False):
+    """Start python cmd with its output to out_dir/log_name; None, starting nothing, while another experiments.py's
+    process writes there (open_output: that run is in use, and its output is left as it is)."""
     os.makedirs(out_dir, exist_ok=True)
-    log = open(os.path.join(out_dir, log_name), "a" if append else "w")
+    log = open_output(os.path.join(out_dir, log_name), append)
+    if log is None:
+        return None
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
     children.append(subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT, env=env))
     return children[-1]
@@ -360,7 +364,11 @@ def run_all(todo):
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # stopped or killed before: go on from it
             cmd = train_cmd(task, flags, seed, out_dir) + ["--init_from=resume"] * resume
             gpu_of[out_dir] = least_busy(devices, gpu_of, running)
-            running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
+            p = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
+            if p is None:  # another experiments.py trains or evaluates it: neither done here nor counted
+                print(f"[{time.time() - t0:6.0f}s] left alone {out_dir}: in use by another train.py", flush=True)
+                continue
+            running[out_dir] = p
             on = f" on GPU {gpu_of[out_dir]}" if gpu_of[out_dir] is not None else ""
             print(f"[{time.time() - t0:6.0f}s] {'resumed' if resume else 'started'} {out_dir}{on}", flush=True)
         if stop():
@@ -394,7 +402,11 @@ def run_all(todo):
     for d in done:
         if os.path.exists(os.path.join(d, "ckpt.pt")):
             gpu_of[d] = least_busy(devices, gpu_of, evals)
-            evals[d] = launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt", gpu_of[d])
+            p = launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt", gpu_of[d])
+            if p is None:
+                print(f"[{time.time() - t0:6.0f}s] left alone {d}: evaluated by another experiments.py", flush=True)
+                continue
+            evals[d] = p
     for d, p in evals.items():
         if p.wait():
             print(f"[{time.time() - t0:6.0f}s] evaluation failed {d} (exit {p.returncode})\n    "

@@ -94,6 +94,26 @@ def unlock_out_dir():
         os.close(_lock.pop())
 
 
+def open_output(path, append=False):
+    """path (a run's stdout.txt or eval.txt) opened for the output of the process about to be started there, with an
+    exclusive lock that the process keeps while it runs (its stdout is the same open file), also when the script that
+    started it is killed: None while another process holds it (the same run started by another experiments.py over
+    the same --root), whose file is then left untouched. Emptied first unless append; no lock where the OS or the
+    file system has none."""
+    f = open(path, "a")
+    try:
+        import fcntl
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    except (ImportError, OSError):
+        pass
+    if not append:
+        f.truncate(0)
+    return f
+
+
 def read_log(path):
     """The records of a log.jsonl ([] without one); a line cut short by a kill is left out."""
     records = []

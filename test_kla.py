@@ -1747,6 +1747,32 @@ def test_experiments_leaves_a_run_in_use_alone(tmp_path):
         first.wait()
 
 
+def test_a_second_experiments_leaves_the_running_runs_output_alone(tmp_path):
+    """A second experiments.py over the --root of one still training (the command typed twice) neither starts its run
+    nor touches the run's stdout.txt, which keeps the first run's output (not emptied, no NUL bytes, no refusal)."""
+    data, root = tmp_path / "data", tmp_path / "exp"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    train = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=3",
+             "--eval_iters=2", "--device=cpu", "--dtype=float32", "--compile=False", "--max_iters=100000"]
+    cmd = ["experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", "--jobs=1", f"--root={root}",
+           f"--results_dir={tmp_path / 'res'}", f"--data_dir={data}", "--train_args=" + " ".join(train)]
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, cmd[0]), *cmd[1:]], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    stdout = root / "mqar_small-kla-1" / "stdout.txt"
+    try:
+        wait_until(lambda: stdout.exists() and b"iter 3:" in stdout.read_bytes(), timeout=240)
+        before = stdout.read_bytes()
+        p = run(*cmd, timeout=240)
+        assert p.returncode == 0, p.stderr
+        assert f"left alone {root / 'mqar_small-kla-1'}: in use by another train.py" in p.stdout, p.stdout
+        after = stdout.read_bytes()
+        assert b"iter 3:" in before and after.startswith(before) and b"\0" not in after and b"error" not in after
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGINT)  # its runs stopped, as at a Ctrl-C
+        first.communicate(timeout=60)
+
+
 def test_experiments_sigterm_stops_like_the_deadline(tmp_path):
     """A SIGTERM to experiments.py (a scheduler's time limit) stops its training runs at once, as --deadline
     does, evaluates their best checkpoint so far and writes the table: the work done is not lost."""
