@@ -2148,6 +2148,28 @@ def test_checkpoint_write_is_atomic(trained, tiny_data, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # no temporary file left behind
 
 
+def test_a_checkpoint_is_on_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """run_safety.save_checkpoint flushes and fsyncs each file it writes (the checkpoint, and a resumed run's log held
+    until its first save) before it renames it over the old one, and fsyncs the folder after the renames: a crash at
+    any moment leaves each file whole, the old one or the new one."""
+    log_path = tmp_path / "log.jsonl"
+    log_path.write_text("".join(json.dumps({"iter": i, "loss": 1.0}) + "\n" for i in range(8)))
+    log = run_safety.RunLog(str(log_path), resumed_at=5)  # holds the records of iterations 0 to 4
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(
+        ("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size)) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append(("replace", src, dst)) or replace(src, dst))
+    ckpt = tmp_path / "ckpt.pt"
+    run_safety.save_checkpoint(str(ckpt), {"model": {"w": torch.ones(1000)}, "iter_num": 6}, log)
+    renames = [e for e in events if e[0] == "replace"]
+    assert [dst for _, _, dst in renames] == [str(ckpt), str(log_path)], events
+    for _, src, dst in renames:
+        synced = [e for e in events[:events.index(("replace", src, dst))] if e[:2] == ("fsync", os.path.realpath(src))]
+        assert synced and synced[-1][2] == os.path.getsize(dst), events  # the whole file, flushed, then fsynced
+    assert events[-1][:2] == ("fsync", os.path.realpath(tmp_path)), events  # the renames made durable
+    assert len(log_path.read_text().splitlines()) == 5 and torch.load(ckpt, weights_only=True)["iter_num"] == 6
+
+
 def test_sigkill_at_random_moments_loses_nothing(tiny_data, tmp_path):
     """A run killed with SIGKILL at random moments (a checkpoint is written every iteration, so some kills
     land inside a write) and resumed each time from its last checkpoint ends with exactly the weights of
