@@ -4,8 +4,9 @@ out_dir, the checks of the data and of a resume, the checkpoint (read as data on
 log.jsonl, and Ctrl-C / out-of-memory handling, each failure one line on stderr and an exit status below, never a
 traceback. docs/robustness.md lists every case and the test that holds it.
 
-experiments.py, which takes its exit statuses from here, stays quick to start: torch, numpy and prepare_data are
-imported where they are used.
+Nothing heavy is imported at the top, so that train.py can make Ctrl-C one line (start) before it imports torch,
+and experiments.py, which takes its exit statuses from here, stays quick to start: torch, numpy and prepare_data
+are imported where they are used.
 """
 import errno
 import json
@@ -29,6 +30,15 @@ _lock = []  # the file descriptor that holds out_dir's lock while the run trains
 _made_dirs = []  # the folders that the run made for out_dir, innermost first
 _held = []  # non-empty while a file is being replaced: a Ctrl-C then waits for the end of the write
 _run = {}  # what the Ctrl-C and out-of-memory lines say of the run (watch); saved: the checkpoint's iteration
+
+
+def start():
+    """Called by train.py first thing, before it imports torch: from here on a Ctrl-C is one line (on_sigint), while
+    torch is imported and the model built too. Forgets a run made earlier in the same process (as the tests do)."""
+    _run.clear()
+    _made_dirs.clear()
+    unlock_out_dir()
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def fail(msg, status=1):
@@ -491,13 +501,15 @@ def checkpoint_held():
 
 
 def on_sigint(signum, frame):
-    """Ctrl-C: one line and exit status 130 instead of a KeyboardInterrupt traceback: the
+    """Ctrl-C: one line and exit status 130 instead of a KeyboardInterrupt traceback; once the run is watched, the
     line says where it stopped and what its checkpoint holds. During a checkpoint or log write it waits for the
     write to end (uninterrupted), so that the file is the new one or the old one."""
     if _held:
         _held.append(signum)
         return
-    if _run["master"]:
+    if "where" not in _run:
+        print("interrupted", file=sys.stderr, flush=True)
+    elif _run["master"]:
         print(f"interrupted at iteration {_run['where']()}; {checkpoint_held()}", file=sys.stderr, flush=True)
     unlock_out_dir()
     sys.exit(INTERRUPTED)
@@ -522,7 +534,6 @@ def watch(ckpt_path, where, master, out_of_memory):
     holds, exit status 1, instead of a traceback (other errors keep theirs)."""
     import torch
     _run.update(ckpt_path=ckpt_path, where=where, master=master)
-    signal.signal(signal.SIGINT, on_sigint)
 
     def on_exception(kind, err, tb):
         if not (issubclass(kind, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(err)):

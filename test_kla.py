@@ -2952,6 +2952,28 @@ def test_damaged_data_files(tiny_data, tmp_path):
     assert_each_is_one_line("train.py", cases, *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}")
 
 
+@pytest.mark.parametrize("when", ["import", "model"])
+def test_ctrl_c_while_train_py_starts_is_one_line(tiny_data, tmp_path, when):
+    """Ctrl-C in train.py's first seconds, while torch is imported or the model built (sent here at those moments):
+    one line, exit status 130, no traceback."""
+    interrupt = {"import": ("import builtins, os, signal\n"
+                            "real_import = builtins.__import__\n"
+                            "def importing(name, *args, **kw):\n"
+                            "    if name == 'torch':\n"
+                            "        os.kill(os.getpid(), signal.SIGINT)\n"
+                            "    return real_import(name, *args, **kw)\n"
+                            "builtins.__import__ = importing\n"),
+                 "model": ("import os, signal, model\n"
+                           "def building(self, *args, **kw):\n"
+                           "    os.kill(os.getpid(), signal.SIGINT)\n"
+                           "model.GPT.__init__ = building\n")}[when]
+    train = (f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    p = run("-c", "import runpy, sys\n" + interrupt + train, *TINY, f"--data_dir={tiny_data}",
+            f"--out_dir={tmp_path / 'out'}", "--max_iters=2")
+    assert p.returncode == 130 and p.stderr == "interrupted\n", p.stderr
+
+
 def test_half_precision_on_the_cpu_warns(tiny_data, tmp_path):
     p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--max_iters=1", "--dtype=bfloat16")
     assert p.returncode == 0, p.stderr

@@ -18,6 +18,9 @@ scratch never writes over another run's results, and a failed or interrupted sav
 
 import os
 
+import run_safety
+
+run_safety.start()  # from here on Ctrl-C is one line and exit status 130, also while torch is imported
 # libgomp's threads spin while they wait; on a machine whose cores are shared with other processes
 # that makes PyTorch's CPU ops up to ~10x slower. Passive waiting costs little on an idle machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -32,7 +35,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-import run_safety
 from model import GPT, GPTConfig, STEP_RULES, doc_seqlens
 from run_safety import fail, read_checkpoint
 
