@@ -2521,6 +2521,23 @@ def test_a_resume_that_fails_before_it_saves_keeps_the_log(tiny_data, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+def test_a_resume_keeps_documents_as_the_run_began(tiny_documents, tmp_path):
+    """documents= changes what a batch is (its rows, or the documents packed in them): a resume with the other value
+    than its checkpoint's is refused before any work, naming it; the checkpoint and the log are left as they were."""
+    args = [*TINY, f"--data_dir={tiny_documents}", "--dataset=docs", "--eval_interval=3",
+            "--always_save_checkpoint=True"]
+    for documents in (True, False):
+        out = tmp_path / str(documents)
+        assert run("train.py", *args, "--max_iters=3", f"--documents={documents}", f"--out_dir={out}").returncode == 0
+        files = lambda: [(out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")]  # noqa: E731
+        before = files()
+        p = run("train.py", *args, "--max_iters=6", f"--documents={not documents}", f"--out_dir={out}",
+                "--init_from=resume")
+        assert_clean_error(p, f"{out / 'ckpt.pt'} was trained with documents={documents}: resume it with "
+                              f"--documents={documents}, or train a new run with documents={not documents}")
+        assert len(p.stderr.splitlines()) == 1 and files() == before, p.stderr
+
+
 def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path):
     """A resumed run's first evaluation (the checkpoint's own weights) does not count against patience; the
     untrained model at iteration 0 is never taken as the best, so a run whose later evaluations are worse
