@@ -2326,6 +2326,19 @@ def test_config_file_and_int_for_float(tiny_data, tmp_path):
     assert [r["iter"] for r in train_log(str(tmp_path / "o")) if "loss" in r] == [0, 1]
 
 
+def test_config_file_may_import_and_define_helpers(tiny_data, tmp_path):
+    """A config file's imports, functions, classes and _private names are not settings: only its other names are
+    (a helper given a setting's name is that setting, of the wrong type)."""
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("import math\nfrom os.path import join\n_base = 2\n\n\ndef double(x):\n    return 2 * x\n\n\n"
+                   "class Sizes:\n    small = 1\n\n\nmax_iters = double(_base) // 2 + Sizes.small - 1\n")
+    p = run("train.py", str(cfg), *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'o'}")
+    assert p.returncode == 0, p.stderr
+    assert [r["iter"] for r in train_log(str(tmp_path / "o")) if "loss" in r] == [0, 1]
+    cfg.write_text("def batch_size():\n    return 4\n")
+    assert_clean_error(run("train.py", str(cfg)), "batch_size must be of type int")
+
+
 def test_train_prepares_missing_data(tmp_path):
     """The main job's first step: the default dataset is prepared when it is missing."""
     p = run("train.py", *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1")
