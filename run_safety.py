@@ -160,17 +160,37 @@ def read_data(config, tokens_per_iter, master, ddp):
 
 
 def prepare_data_once(dataset, data_dir, master, ddp):
-    """Prepare a built-in dataset that is missing (meta.json marks a complete one)."""
+    """Prepare a built-in dataset that is missing (meta.json marks a complete one). Two train.py that find it missing
+    at once (two experiments.py, two terminals) take turns on a lock of its folder: the second waits, then finds it
+    prepared. A Ctrl-C meanwhile is prepare_data's one line, with its exit status."""
     import prepare_data
     data_path = os.path.join(data_dir, dataset)
     if os.path.exists(os.path.join(data_path, "meta.json")) or dataset not in prepare_data.DATASETS:
         return
     if master:
-        print(f"{data_path} not found, preparing it")
         try:
-            prepare_data.prepare(dataset, data_dir)
+            os.makedirs(data_path, exist_ok=True)
+        except OSError as err:
+            fail(f"cannot make {data_path}: {err.strerror or err}")
+        fd, busy = prepare_data.lock_folder(data_path)
+        if busy:
+            print(f"{data_path} is being prepared by another process: waiting for it", flush=True)
+            import fcntl
+            fd = os.open(data_path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if not os.path.exists(os.path.join(data_path, "meta.json")):
+                print(f"{data_path} not found, preparing it")
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # prepare_data's own Ctrl-C line
+                prepare_data.prepare(dataset, data_dir)
         except SystemExit as err:  # prepare_data's one line (e.g. offline), given as this run's error
+            if isinstance(err.code, int):  # its Ctrl-C, said already
+                _release(err.code)
             fail(str(err.code).removeprefix("error: "))
+        finally:
+            signal.signal(signal.SIGINT, on_sigint)
+            if fd is not None:
+                os.close(fd)
     if ddp:
         import torch.distributed as dist
         dist.barrier()

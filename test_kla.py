@@ -2339,6 +2339,28 @@ def test_config_file_may_import_and_define_helpers(tiny_data, tmp_path):
     assert_clean_error(run("train.py", str(cfg)), "batch_size must be of type int")
 
 
+def test_two_runs_that_prepare_the_same_missing_dataset_take_turns(tmp_path):
+    """Two train.py that find the same dataset missing at once (two experiments.py, two terminals): the second waits
+    for the first's preparation (slowed down here) and trains on it; both end well."""
+    slow = ("import runpy, sys, time, prepare_data\n"
+            "commit = prepare_data.NewDataset.commit\n"
+            "def slow_commit(self, meta):\n"
+            "    time.sleep(5)\n"
+            "    commit(self, meta)\n"
+            "prepare_data.NewDataset.commit = slow_commit\n"
+            f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    args = ["config/mqar_small.py", "--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4",
+            "--max_iters=1", "--eval_iters=1", "--device=cpu", "--dtype=float32", "--compile=False",
+            "--sample_tokens=0", f"--data_dir={tmp_path / 'data'}"]
+    procs = [subprocess.Popen([sys.executable, "-c", slow, *args, f"--out_dir={tmp_path / str(i)}"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for i in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("is being prepared by another process: waiting for it" in out for out, _ in outs) == 1, outs
+
+
 def test_train_prepares_missing_data(tmp_path):
     """The main job's first step: the default dataset is prepared when it is missing."""
     p = run("train.py", *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}", "--max_iters=1")
