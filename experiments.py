@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from ast import literal_eval
 
 from prepare_data import write_file
 from run_safety import IN_USE, NOTHING_LEFT, open_output, read_log
@@ -209,19 +210,45 @@ def check_folders():
     for key, folder in folders:
         why = writable(folder)
         check(key, not why, f"a folder that can be made and written ({why})")
+    for *_, out_dir in [] if collect else runs():
+        if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+            fail(f"{out_dir} is a file where the folder of a run should be: move it away, or use another --root")
 
 
-def checkpoint_iter(out_dir):
-    """(the iteration of the run's ckpt.pt, ''): (None, '') without one, (None, why) if it cannot be read. The
-    file is mapped, not read: only the iteration is looked at."""
+def checkpoint_iter(out_dir, entry="iter_num"):
+    """(the entry of the run's ckpt.pt, its iteration by default, ''): (None, '') without one, (None, why) if it
+    cannot be read. The file is mapped, not read: only the entry is looked at."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
         return None, ""
     import torch
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter_num"]), ""
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)[entry]
+        return (int(value) if entry == "iter_num" else value), ""
     except Exception as err:  # a damaged or foreign file: the resume reports it
         return None, f"its ckpt.pt cannot be read ({type(err).__name__}: {str(err)[:200]})"
+
+
+def trained_otherwise(done):
+    """The first run of done (runs() that are done, and skipped) whose checkpoint was trained with another value of a
+    flag of --train_args: one line saying so and what to do, or ''. (Its result would be collected as if of these
+    flags; only the flags given are compared, with the config saved in its checkpoint.)"""
+    flags = dict(a[2:].partition("=")[::2] for a in train_args.split() if a.startswith("--"))
+    for *_, out_dir in done:
+        config, _ = checkpoint_iter(out_dir, "config")
+        for key, given in flags.items() if isinstance(config, dict) else ():
+            had = config.get(key)
+            if had is None or isinstance(had, str) and given == had:
+                continue
+            try:
+                value = given if isinstance(had, str) else literal_eval(given)
+            except (SyntaxError, ValueError):
+                value = given
+            if value != had:
+                return (f"{out_dir} is done, trained with {key} = {had!r}, and --train_args gives {key} = {given}: its "
+                        "result would be collected as if of these flags; give the flags it was trained with, use "
+                        "another --root, or delete its eval.json to resume it with these")
+    return ""
 
 
 def read_eval(out_dir):
@@ -255,18 +282,63 @@ def results_path(task):
 
 
 def read_table(path):
-    """The rows of a results table, by (mixer, step_rule, seed); {} if there is none."""
+    """The rows of a results table, by (mixer, step_rule, seed); {} if there is none. One line, before any work, for a
+    table that is not one this script writes (damaged, or edited by hand: a row without a mixer or an integer seed,
+    a cell too many or too few, a value that is not a number)."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
-                for r in csv.DictReader(f)}
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        for n, r in enumerate(rows, start=2):  # line n of the file
+            if None in r or None in r.values():
+                raise ValueError(f"line {n} has {'more' if None in r else 'fewer'} cells than the header")
+            if not r.get("mixer") or not r.get("seed", "").isdecimal():
+                raise ValueError(f"line {n} has no mixer or no integer seed")
+            for k, v in r.items():
+                if "@" in k and v:
+                    float(v)  # a ValueError names the cell
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError) as err:
+        fail(f"{path} is not a results table that experiments.py writes ({type(err).__name__}: {err}): restore it, "
+             "or collect into another --results_dir")
+    return {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
+            for r in rows}
 
 
 def replaced(fresh=()):
     """The rows of the results tables that this call would replace by those of other runs: a row for a run
     collected from --root whose values differ from the table's, or a table's row for a run of fresh (runs about to
     be trained from nothing, without a checkpoint). One line saying which and what to do, or ''."""
+    clashes = clashed(fresh)
+    if not clashes:
+        return ""
+    task, name, seed, out_dir = clashes[0]
+    more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
+    return (f"{results_path(task)} already holds {name} seed {seed}{more}, from another run than {out_dir}: "
+            "collect into another --results_dir, or replace those rows with --overwrite=True")
+
+
+def mixed(clashes):
+    """With --overwrite=True, a warning line for each group of a table (a mixer, or a rule) whose rows clashes replace
+    while it keeps other rows of the group from other runs: its mean and spread would mix runs of other settings."""
+    lines = []
+    for task in selected:
+        replacing = {(name, seed) for t, name, seed, _ in clashes if t == task}
+        ours = {(r["step_rule"] or r["mixer"], r["seed"]) for r in collected(task, TASKS[task][2], quiet=True).values()}
+        for name in sorted({name for name, _ in replacing}):
+            kept = sorted((seed for m, rule, seed in read_table(results_path(task)) if (rule or m) == name
+                           and (name, seed) not in ours), key=int)
+            if kept:
+                lines.append(f"warning: --overwrite=True replaces {name} seed(s) "
+                             f"{', '.join(sorted((s for n, s in replacing if n == name), key=int))} of "
+                             f"{results_path(task)} with runs under {root}, and keeps its {name} seed(s) "
+                             f"{', '.join(kept)} of other runs: their mean and spread mix runs that may differ in "
+                             "their settings")
+    return lines
+
+
+def clashed(fresh=()):
+    """(task, mixer or rule, seed, out_dir) of each row that replaced() tells of."""
     clashes = []
     for task in selected:
         column, table = TASKS[task][2], read_table(results_path(task))
@@ -281,12 +353,7 @@ def replaced(fresh=()):
             key = (mixers, name, str(seed)) if step_rules else (name, "", str(seed))
             if t == task and key in table and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
                 clashes.append((task, name, str(seed), out_dir))
-    if not clashes:
-        return ""
-    task, name, seed, out_dir = clashes[0]
-    more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
-    return (f"{results_path(task)} already holds {name} seed {seed}{more}, from another run than {out_dir}: "
-            "collect into another --results_dir, or replace those rows with --overwrite=True")
+    return clashes
 
 
 def gpu_ids():
@@ -592,11 +659,14 @@ def main():
     failed = []
     if not collect:
         todo = not_done()
-        clash = "" if overwrite else replaced(todo)
+        clash = trained_otherwise([r for r in runs() if r not in todo]) if train_args else ""
+        clash = clash or ("" if overwrite else replaced(todo))
         if clash:  # before any work: the tables' rows are kept, nothing is trained
             fail(clash)
         failed = run_all(todo)
     clash = "" if overwrite else replaced()
+    for line in mixed(clashed()) if overwrite else []:
+        print(line, file=sys.stderr)
     if clash:
         print(f"error: {clash}", file=sys.stderr)
     elif not collect_results() and collect:

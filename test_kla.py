@@ -1773,6 +1773,43 @@ def test_a_second_experiments_leaves_the_running_runs_output_alone(tmp_path):
         first.communicate(timeout=60)
 
 
+def test_experiments_refuses_damaged_tables_files_for_runs_and_changed_flags(tmp_path):
+    """experiments.py, before any work: a results table that it did not write (damaged, edited by hand) is one line; a
+    file where a run's folder should be is one line; a done run trained with another value of a flag of --train_args
+    is one line (its result would be collected as if of these flags); --overwrite=True says when the table it writes
+    keeps rows of other runs in a mean and spread beside the replaced ones."""
+    root, res = tmp_path / "exp", tmp_path / "res"
+    run_dir = root / "mqar_small-kla-1"  # a done run: evaluated at its checkpoint's iteration, its log ended
+    run_dir.mkdir(parents=True)
+    (run_dir / "eval.json").write_text(json.dumps({"mixer": "kla", "seed": 1, "iter_num": 4,
+                                                   "results": [{"length": 128, "accuracy": 0.5}]}))
+    (run_dir / "log.jsonl").write_text('{"iter": 4, "val_loss": 1.0}\n{"iter": 4, "end": "max_iters", "patience": 0}\n')
+    torch.save({"iter_num": 4, "config": {"max_iters": 4, "learning_rate": 0.001}}, run_dir / "ckpt.pt")
+    res.mkdir()
+    table = res / "mqar_small.csv"
+    collect = ["experiments.py", "--collect=True", "--tasks=mqar_small", f"--root={root}", f"--results_dir={res}"]
+    for damaged in ("mixer,seed,accuracy@128\nkla\n", "mixer,seed,accuracy@128\nkla,1,0.5,7\n",
+                    "mixer,seed,accuracy@128\nkla,one,0.5\n", "mixer,seed,accuracy@128\nkla,1,half\n"):
+        table.write_text(damaged)
+        p = run(*collect)
+        assert_clean_error(p, f"{table} is not a results table that experiments.py writes", "restore it")
+        assert len(p.stderr.splitlines()) == 1 and table.read_text() == damaged, p.stderr
+    table.write_text("mixer,step_rule,seed,accuracy@128\nkla,,1,0.9000\nkla,,2,0.8000\n")
+    p = run(*collect, "--overwrite=True")
+    assert p.returncode == 0, p.stderr
+    assert f"warning: --overwrite=True replaces kla seed(s) 1 of {table} with runs under {root}, and keeps its kla " \
+           "seed(s) 2 of other runs" in p.stderr, p.stderr
+    assert "kla,,1," in table.read_text() and ",0.5000" in table.read_text()
+    train = ["experiments.py", "--tasks=mqar_small", "--mixers=kla", f"--root={root}", f"--results_dir={res}",
+             f"--data_dir={tmp_path / 'data'}"]
+    (root / "mqar_small-kla-2").write_text("not a run")
+    p = run(*train, "--seeds=1,2")
+    assert_clean_error(p, f"{root / 'mqar_small-kla-2'} is a file where the folder of a run should be")
+    p = run(*train, "--seeds=1", "--train_args=--max_iters=9 --learning_rate=1e-3")
+    assert_clean_error(p, f"{run_dir} is done, trained with max_iters = 4, and --train_args gives max_iters = 9")
+    assert not (tmp_path / "data").exists()  # before any work
+
+
 def test_experiments_sigterm_stops_like_the_deadline(tmp_path):
     """A SIGTERM to experiments.py (a scheduler's time limit) stops its training runs at once, as --deadline
     does, evaluates their best checkpoint so far and writes the table: the work done is not lost."""
