@@ -26,7 +26,7 @@ alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES)
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -718,9 +718,9 @@ class FusedCrossEntropy(torch.autograd.Function):
 
 class GPT(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, **switches):
         super().__init__()
-        self.config = config
+        self.config = config = replace(config, **switches)  # backend, recompute_elementwise, fused_loss
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])

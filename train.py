@@ -79,11 +79,12 @@ expand_v = 1.5
 conv_size = 4
 mlp_hidden = 0  # SwiGLU width; 0: 8/3 n_embd rounded up to a multiple of 64
 chunk_size = 64
+# how a step is computed, not what: the model's switches (GPT(config, **switches)), free to change on resuming
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
-# memory: at GPT-2 small's size, 32 x 2048 tokens, compiled on an H200, KLA with both peaks at 42.0 GiB against 54.8
-# at 1.016x the tokens/s (BENCHMARKS.md); they change how the step is computed, not what, and may change on resuming
-recompute_elementwise = False  # KLA / GDN: the layer's elementwise work recomputed in the backward, not kept
-fused_loss = False  # the loss and its gradient computed in the forward in chunks of rows: no logits kept
+# on a GPU both memory switches on: faster and leaner at GPT-2 small's size (BENCHMARKS.md, Training); no-ops where
+# they do not apply (attention layers; evaluation and sampling, which get logits)
+recompute_elementwise = _gpu  # KLA / GDN: the layer's elementwise work recomputed in the backward, not kept
+fused_loss = _gpu  # training: the loss and its gradient computed in the forward in chunks of rows, no logits kept
 # AdamW optimizer
 learning_rate = 1e-3 if _gpu else 2e-3
 max_iters = 2000 if _gpu else 500
@@ -142,8 +143,7 @@ config = {k: globals()[k] for k in config_keys}  # the resolved config, saved in
 # the model's own checks (e.g. n_embd divisible by n_head); the vocabulary comes from the data, below
 model_args = dict(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, mixer=mixer,
                   step_rule=step_rule, decay=decay, expand_k=expand_k, expand_v=expand_v, conv_size=conv_size,
-                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, backend=backend, dropout=dropout,
-                  recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
+                  mlp_hidden=mlp_hidden, chunk_size=chunk_size, dropout=dropout)
 try:
     GPTConfig(**model_args)
 except ValueError as err:
@@ -238,8 +238,9 @@ if init_from == "resume":
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evals_since_best = checkpoint.get("evals_since_best", 0)
 try:
-    how = dict(backend=backend, dropout=dropout, recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
-    model = GPT.from_checkpoint(checkpoint, **how) if init_from == "resume" else GPT(GPTConfig(**model_args))
+    switches = dict(backend=backend, recompute_elementwise=recompute_elementwise, fused_loss=fused_loss)
+    model = (GPT.from_checkpoint(checkpoint, dropout=dropout, **switches) if init_from == "resume"
+             else GPT(GPTConfig(**model_args), **switches))
 except ValueError as err:
     fail(f"{ckpt_path}: {err}" if init_from == "resume" else str(err))
 try:
@@ -248,8 +249,7 @@ except (ValueError, RuntimeError) as err:
     fail(str(err))
 if master_process:
     print(f"{mixer} model{f', step rule {step_rule}' if step_rule else ''}{'' if decay else ', no decay'}, "
-          f"{model.get_num_params() / 1e6:.2f}M parameters, backend {backend_used}, "
-          f"device {device}, dtype {dtype}")
+          f"{model.get_num_params() / 1e6:.2f}M parameters, backend {backend_used}, device {device}, dtype {dtype}")
 
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bf16 does not
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
@@ -302,8 +302,8 @@ peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_devic
 # training loop
 run_safety.watch(ckpt_path, lambda: iter_num, master_process, lambda: (
     f"out of memory on {device} at iteration {iter_num} with batch_size = {batch_size}, block_size = {block_size}: "
-    f"lower batch_size (raising gradient_accumulation_steps as much keeps the {tokens_per_iter:,} tokens a step; "
-    "recompute_elementwise=True and fused_loss=True keep less)"))
+    f"lower batch_size (raising gradient_accumulation_steps as much keeps the {tokens_per_iter:,} tokens a step"
+    f"{'' if recompute_elementwise and fused_loss else '; recompute_elementwise=True and fused_loss=True keep less'})"))
 log = run_safety.RunLog(log_path, iter_num if init_from == "resume" else None) if master_process else None
 # micro-batch m of process r is global micro-batch r * gradient_accumulation_steps + m: one process with
 # 8 micro-batches and 8 processes with one each train on the same batches
