@@ -73,12 +73,7 @@ def claim_out_dir(out_dir, init_from):
     while not os.path.exists(missing):
         _made_dirs.append(missing)
         missing = os.path.dirname(missing)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as err:
-        fail(f"cannot make out_dir {out_dir}: {err.strerror}")
-    import prepare_data
-    fd, busy = prepare_data.lock_folder(out_dir)
+    fd, busy = _make_and_lock(out_dir, "out_dir ")
     if busy:
         fail(f"{out_dir} is in use by another train.py that has not ended: wait for it, or train into another "
              "--out_dir", IN_USE)
@@ -96,6 +91,17 @@ def claim_out_dir(out_dir, init_from):
                     if os.path.exists(ckpt_path) else
                     f"{out_dir} holds another run's results ({what}) but no checkpoint: train from scratch")
             fail(f"{held} into another --out_dir (or delete {', '.join(found)} first)")
+
+
+def _make_and_lock(path, name=""):
+    """Make the folder path (name: what it is, for the error) and try to lock it: (its file descriptor, held until
+    closed, or None, whether another process holds it: prepare_data.lock_folder)."""
+    import prepare_data
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        fail(f"cannot make {name}{path}: {err.strerror or err}")
+    return prepare_data.lock_folder(path)
 
 
 def unlock_out_dir():
@@ -168,11 +174,7 @@ def prepare_data_once(dataset, data_dir, master, ddp):
     if os.path.exists(os.path.join(data_path, "meta.json")) or dataset not in prepare_data.DATASETS:
         return
     if master:
-        try:
-            os.makedirs(data_path, exist_ok=True)
-        except OSError as err:
-            fail(f"cannot make {data_path}: {err.strerror or err}")
-        fd, busy = prepare_data.lock_folder(data_path)
+        fd, busy = _make_and_lock(data_path)
         if busy:
             print(f"{data_path} is being prepared by another process: waiting for it", flush=True)
             import fcntl
