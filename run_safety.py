@@ -328,7 +328,8 @@ def read_resume(ckpt_path, model_args, config, meta, data_path):
         fail(f"{ckpt_path} was trained on other data than {data_path}: {', '.join(differ)}; resume it on its own "
              "data (--dataset, --data_dir), or train a new run into another --out_dir")
     # documents= changes what a batch is (its rows, or the documents packed in them): the rest would be another run
-    documents = checkpoint.get("config", {}).get("documents", False)
+    saved_config = checkpoint.get("config")
+    documents = saved_config.get("documents", False) if isinstance(saved_config, dict) else False
     if documents != config["documents"]:
         fail(f"{ckpt_path} was trained with documents={documents}: resume it with --documents={documents}, or train "
              f"a new run with documents={config['documents']} into another --out_dir")
