@@ -232,8 +232,11 @@ def checkpoint_iter(out_dir, entry="iter_num"):
 def trained_otherwise(done):
     """The first run of done (runs() that are done, and skipped) whose checkpoint was trained with another value of a
     flag of --train_args: one line saying so and what to do, or ''. (Its result would be collected as if of these
-    flags; only the flags given are compared, with the config saved in its checkpoint.)"""
-    flags = dict(a[2:].partition("=")[::2] for a in train_args.split() if a.startswith("--"))
+    flags; only the flags given are compared, with the config saved in its checkpoint, but for those that change how
+    a run is computed, not what it computes.)"""
+    how = ("compile", "backend", "recompute_elementwise", "fused_loss", "device", "log_interval", "sample_tokens")
+    flags = dict(a[2:].partition("=")[::2] for a in train_args.split() if a.startswith("--") and a[2:].partition("=")[0]
+                 not in how)
     for *_, out_dir in done:
         config, _ = checkpoint_iter(out_dir, "config")
         for key, given in flags.items() if isinstance(config, dict) else ():
