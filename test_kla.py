@@ -1752,9 +1752,10 @@ def test_a_second_experiments_leaves_the_running_runs_output_alone(tmp_path):
     nor touches the run's stdout.txt, which keeps the first run's output (not emptied, no NUL bytes, no refusal)."""
     data, root = tmp_path / "data", tmp_path / "exp"
     prepare_data.prepare("mqar_small", str(data), n_train=100)
-    train = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=3",
+    # trains until stopped here, without a checkpoint (the second run's output was then opened to be emptied)
+    train = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=100000",
              "--eval_iters=2", "--log_interval=1", "--device=cpu", "--dtype=float32", "--compile=False",
-             "--max_iters=100000", "--patience=0"]  # trains until stopped here
+             "--max_iters=100000", "--patience=0"]
     cmd = ["experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", "--jobs=1", f"--root={root}",
            f"--results_dir={tmp_path / 'res'}", f"--data_dir={data}", "--train_args=" + " ".join(train)]
     first = subprocess.Popen([sys.executable, os.path.join(ROOT, cmd[0]), *cmd[1:]], stdout=subprocess.DEVNULL,
