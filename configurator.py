@@ -3,7 +3,8 @@ Poor man's configurator, as in nanoGPT. Run from a script with
     exec(open('configurator.py').read())
 after the script has defined its config as module-level globals. Then
     $ python train.py config/override_file.py --batch_size=32
-first runs config/override_file.py (plain Python that assigns some of those globals), then applies
+first runs config/override_file.py (plain Python that assigns some of those globals; its imports, functions,
+classes and _private names are not settings), then applies
 each --key=value. Every key must already exist as a global of type int, float, bool or str, and every
 value must have that type (an int is accepted for a float): a typo or a wrong type is one clear error
 and a non-zero exit before anything runs, not a silently ignored setting or a traceback.
@@ -62,7 +63,10 @@ for _arg in sys.argv[1:]:
         except Exception as _err:
             _config_error(f"{_arg} failed: {type(_err).__name__}: {_err}")
         for _key, _val in _file_globals.items():
-            if not _key.startswith("_") and not isinstance(_val, types.ModuleType):  # allow `import math`
+            # a config file may import modules and define helper functions and classes, and _private names: only
+            # its other names are settings (a helper given a setting's name is that setting, of the wrong type)
+            _helper = isinstance(_val, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type))
+            if not _key.startswith("_") and not (_helper and type(globals().get(_key)) not in (int, float, bool, str)):
                 globals()[_key] = _checked(_key, _val, _arg)
     else:
         _key, _eq, _val = _arg[2:].partition("=")

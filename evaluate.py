@@ -32,8 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model import GPT, doc_seqlens, read_checkpoint
+from model import GPT, doc_seqlens
 from prepare_data import lock_folder, write_file
+from run_safety import read_checkpoint
 
 # -----------------------------------------------------------------------------
 out_dir = "out"

@@ -62,8 +62,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from ast import literal_eval
 
 from prepare_data import write_file
+from run_safety import IN_USE, NOTHING_LEFT, open_output, read_log
 
 TASKS = {"mqar": ("config/mqar.py", "mqar", "accuracy"),
          "sniah": ("config/sniah.py", "sniah", "accuracy"),
@@ -103,7 +105,6 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 # -----------------------------------------------------------------------------
 here = os.path.dirname(os.path.abspath(__file__))
 MIXERS = ("kla", "gdn", "attn")  # train.py --mixer
-NOTHING_LEFT = 3  # train.py's exit status for a resume with nothing left to train
 
 # every setting checked before any work: one line naming the value and what it may be (configurator.py)
 check("tasks", not tasks or all(t in TASKS for t in tasks.split(",")),
@@ -209,36 +210,48 @@ def check_folders():
     for key, folder in folders:
         why = writable(folder)
         check(key, not why, f"a folder that can be made and written ({why})")
+    for *_, out_dir in [] if collect else runs():
+        if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+            fail(f"{out_dir} is a file where the folder of a run should be: move it away, or use another --root")
 
 
-def read_log(out_dir):
-    """The records of the run's log.jsonl ([] without one); a line cut short by a kill is left out."""
-    records = []
-    try:
-        with open(os.path.join(out_dir, "log.jsonl"), errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if line.endswith("\n") and isinstance(record, dict):
-                    records.append(record)
-    except OSError:
-        pass
-    return records
-
-
-def checkpoint_iter(out_dir):
-    """(the iteration of the run's ckpt.pt, ''): (None, '') without one, (None, why) if it cannot be read. The
-    file is mapped, not read: only the iteration is looked at."""
+def checkpoint_iter(out_dir, entry="iter_num"):
+    """(the entry of the run's ckpt.pt, its iteration by default, ''): (None, '') without one, (None, why) if it
+    cannot be read. The file is mapped, not read: only the entry is looked at."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
         return None, ""
     import torch
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iter_num"]), ""
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)[entry]
+        return (int(value) if entry == "iter_num" else value), ""
     except Exception as err:  # a damaged or foreign file: the resume reports it
         return None, f"its ckpt.pt cannot be read ({type(err).__name__}: {str(err)[:200]})"
+
+
+def trained_otherwise(done):
+    """The first run of done (runs() that are done, and skipped) whose checkpoint was trained with another value of a
+    flag of --train_args: one line saying so and what to do, or ''. (Its result would be collected as if of these
+    flags; only the flags given are compared, with the config saved in its checkpoint, but for those that change how
+    a run is computed, not what it computes.)"""
+    how = ("compile", "backend", "recompute_elementwise", "fused_loss", "device", "log_interval", "sample_tokens")
+    flags = dict(a[2:].partition("=")[::2] for a in train_args.split() if a.startswith("--") and a[2:].partition("=")[0]
+                 not in how)
+    for *_, out_dir in done:
+        config, _ = checkpoint_iter(out_dir, "config")
+        for key, given in flags.items() if isinstance(config, dict) else ():
+            had = config.get(key)
+            if had is None or isinstance(had, str) and given == had:
+                continue
+            try:
+                value = given if isinstance(had, str) else literal_eval(given)
+            except (SyntaxError, ValueError):
+                value = given
+            if value != had:
+                return (f"{out_dir} is done, trained with {key} = {had!r}, and --train_args gives {key} = {given}: its "
+                        "result would be collected as if of these flags; give the flags it was trained with, use "
+                        "another --root, or delete its eval.json to resume it with these")
+    return ""
 
 
 def read_eval(out_dir):
@@ -254,7 +267,7 @@ def read_eval(out_dir):
         ev["mixer"], ev["seed"], ev["iter_num"], [r["length"] for r in ev["results"]]  # what collected() reads
     except (OSError, ValueError, KeyError, TypeError) as err:
         return None, f"its eval.json is unreadable ({type(err).__name__}: {err})"
-    log = read_log(out_dir)
+    log = read_log(os.path.join(out_dir, "log.jsonl"))
     if not log or "end" not in log[-1]:
         reached = f" and reaches iteration {log[-1].get('iter')}" if log else ""
         return None, (f"its eval.json (of iteration {ev['iter_num']}) was written before the run ended (its log.jsonl "
@@ -272,18 +285,63 @@ def results_path(task):
 
 
 def read_table(path):
-    """The rows of a results table, by (mixer, step_rule, seed); {} if there is none."""
+    """The rows of a results table, by (mixer, step_rule, seed); {} if there is none. One line, before any work, for a
+    table that is not one this script writes (damaged, or edited by hand: a row without a mixer or an integer seed,
+    a cell too many or too few, a value that is not a number)."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
-                for r in csv.DictReader(f)}
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        for n, r in enumerate(rows, start=2):  # line n of the file
+            if None in r or None in r.values():
+                raise ValueError(f"line {n} has {'more' if None in r else 'fewer'} cells than the header")
+            if not r.get("mixer") or not r.get("seed", "").isdecimal():
+                raise ValueError(f"line {n} has no mixer or no integer seed")
+            for k, v in r.items():
+                if "@" in k and v:
+                    float(v)  # a ValueError names the cell
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError) as err:
+        fail(f"{path} is not a results table that experiments.py writes ({type(err).__name__}: {err}): restore it, "
+             "or collect into another --results_dir")
+    return {(r["mixer"], r.get("step_rule") or "", r["seed"]): {"mixer": r["mixer"], "step_rule": "", **r}
+            for r in rows}
 
 
 def replaced(fresh=()):
     """The rows of the results tables that this call would replace by those of other runs: a row for a run
     collected from --root whose values differ from the table's, or a table's row for a run of fresh (runs about to
     be trained from nothing, without a checkpoint). One line saying which and what to do, or ''."""
+    clashes = clashed(fresh)
+    if not clashes:
+        return ""
+    task, name, seed, out_dir = clashes[0]
+    more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
+    return (f"{results_path(task)} already holds {name} seed {seed}{more}, from another run than {out_dir}: "
+            "collect into another --results_dir, or replace those rows with --overwrite=True")
+
+
+def mixed(clashes):
+    """With --overwrite=True, a warning line for each group of a table (a mixer, or a rule) whose rows clashes replace
+    while it keeps other rows of the group from other runs: its mean and spread would mix runs of other settings."""
+    lines = []
+    for task in selected:
+        replacing = {(name, seed) for t, name, seed, _ in clashes if t == task}
+        ours = {(r["step_rule"] or r["mixer"], r["seed"]) for r in collected(task, TASKS[task][2], quiet=True).values()}
+        for name in sorted({name for name, _ in replacing}):
+            kept = sorted((seed for m, rule, seed in read_table(results_path(task)) if (rule or m) == name
+                           and (name, seed) not in ours), key=int)
+            if kept:
+                lines.append(f"warning: --overwrite=True replaces {name} seed(s) "
+                             f"{', '.join(sorted((s for n, s in replacing if n == name), key=int))} of "
+                             f"{results_path(task)} with runs under {root}, and keeps its {name} seed(s) "
+                             f"{', '.join(kept)} of other runs: their mean and spread mix runs that may differ in "
+                             "their settings")
+    return lines
+
+
+def clashed(fresh=()):
+    """(task, mixer or rule, seed, out_dir) of each row that replaced() tells of."""
     clashes = []
     for task in selected:
         column, table = TASKS[task][2], read_table(results_path(task))
@@ -298,12 +356,7 @@ def replaced(fresh=()):
             key = (mixers, name, str(seed)) if step_rules else (name, "", str(seed))
             if t == task and key in table and not os.path.exists(os.path.join(out_dir, "ckpt.pt")):
                 clashes.append((task, name, str(seed), out_dir))
-    if not clashes:
-        return ""
-    task, name, seed, out_dir = clashes[0]
-    more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
-    return (f"{results_path(task)} already holds {name} seed {seed}{more}, from another run than {out_dir}: "
-            "collect into another --results_dir, or replace those rows with --overwrite=True")
+    return clashes
 
 
 def gpu_ids():
@@ -321,8 +374,12 @@ children = []  # every train.py and evaluate.py started, to stop those still run
 
 
 def launch(cmd, out_dir, log_name, gpu=None, append=False):
+    """Start python cmd with its output to out_dir/log_name; None, starting nothing, while another experiments.py's
+    process writes there (open_output: that run is in use, and its output is left as it is)."""
     os.makedirs(out_dir, exist_ok=True)
-    log = open(os.path.join(out_dir, log_name), "a" if append else "w")
+    log = open_output(os.path.join(out_dir, log_name), append)
+    if log is None:
+        return None
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
     children.append(subprocess.Popen([sys.executable] + cmd, cwd=here, stdout=log, stderr=subprocess.STDOUT, env=env))
     return children[-1]
@@ -334,7 +391,7 @@ def record_stop(out_dir, why):
     run is done. A resume (e.g. with a higher --max_iters) goes on from the checkpoint, and train.py drops this
     record as it drops every record from the checkpoint's iteration on."""
     path = os.path.join(out_dir, "log.jsonl")
-    last = max((r.get("iter", 0) for r in read_log(out_dir)), default=0)
+    last = max((r.get("iter", 0) for r in read_log(os.path.join(out_dir, "log.jsonl"))), default=0)
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -377,7 +434,11 @@ def run_all(todo):
             resume = os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # stopped or killed before: go on from it
             cmd = train_cmd(task, flags, seed, out_dir) + ["--init_from=resume"] * resume
             gpu_of[out_dir] = least_busy(devices, gpu_of, running)
-            running[out_dir] = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
+            p = launch(cmd, out_dir, "stdout.txt", gpu_of[out_dir], append=resume)
+            if p is None:  # another experiments.py trains or evaluates it: neither done here nor counted
+                print(f"[{time.time() - t0:6.0f}s] left alone {out_dir}: in use by another train.py", flush=True)
+                continue
+            running[out_dir] = p
             on = f" on GPU {gpu_of[out_dir]}" if gpu_of[out_dir] is not None else ""
             print(f"[{time.time() - t0:6.0f}s] {'resumed' if resume else 'started'} {out_dir}{on}", flush=True)
         if stop():
@@ -394,7 +455,7 @@ def run_all(todo):
             if p.poll() is None:
                 continue
             del running[out_dir]
-            if p.returncode == getattr(os, "EX_TEMPFAIL", None):
+            if p.returncode == IN_USE:
                 # train.py found the run in use by another train.py (another experiments.py over this --root):
                 # that one trains and evaluates it; here it is neither evaluated nor counted as done
                 print(f"[{time.time() - t0:6.0f}s] left alone {out_dir}: in use by another train.py", flush=True)
@@ -411,7 +472,11 @@ def run_all(todo):
     for d in done:
         if os.path.exists(os.path.join(d, "ckpt.pt")):
             gpu_of[d] = least_busy(devices, gpu_of, evals)
-            evals[d] = launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt", gpu_of[d])
+            p = launch(["evaluate.py", f"--out_dir={d}"] + eval_args.split(), d, "eval.txt", gpu_of[d])
+            if p is None:
+                print(f"[{time.time() - t0:6.0f}s] left alone {d}: evaluated by another experiments.py", flush=True)
+                continue
+            evals[d] = p
     for d, p in evals.items():
         if p.wait():
             print(f"[{time.time() - t0:6.0f}s] evaluation failed {d} (exit {p.returncode})\n    "
@@ -442,7 +507,7 @@ def collected(task, column, quiet=False):
             if not quiet:
                 print(f"skipped {name}: {why}")
             continue
-        log = read_log(os.path.join(root, name))
+        log = read_log(os.path.join(root, name, "log.jsonl"))
         vals = [r["val_loss"] for r in log if "val_loss" in r]
         tok_s = sorted(r["tok_s"] for r in log if "tok_s" in r)
         last = max((r.get("iter", 0) for r in log), default=0)
@@ -597,11 +662,14 @@ def main():
     failed = []
     if not collect:
         todo = not_done()
-        clash = "" if overwrite else replaced(todo)
+        clash = trained_otherwise([r for r in runs() if r not in todo]) if train_args else ""
+        clash = clash or ("" if overwrite else replaced(todo))
         if clash:  # before any work: the tables' rows are kept, nothing is trained
             fail(clash)
         failed = run_all(todo)
     clash = "" if overwrite else replaced()
+    for line in mixed(clashed()) if overwrite else []:
+        print(line, file=sys.stderr)
     if clash:
         print(f"error: {clash}", file=sys.stderr)
     elif not collect_results() and collect:

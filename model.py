@@ -27,9 +27,8 @@ inference: prefill, CUDA graphs, fused decoding; GPT.generate here is the simple
 """
 
 import math
-import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -236,43 +235,6 @@ def resolve_backend(backend, device_type):
     if backend == "triton" and kernel is None:
         raise RuntimeError(f"backend='triton' needs Triton: {_no_triton}")
     return backend
-
-
-# the entries of train.py's checkpoints and their types; read_checkpoint checks those that its caller reads
-CHECKPOINT_FIELDS = {"model": dict, "model_args": dict, "meta": dict, "config": dict, "optimizer": dict, "rng": dict,
-                     "iter_num": int, "best_val_loss": (int, float)}
-
-
-def read_checkpoint(path, device="cpu", needs=("model", "model_args")):
-    """The dict that train.py saved, read as data only (weights_only=True: nothing in the file runs).
-    A missing or damaged file raises ValueError naming it, as does a file that torch.load reads but that lacks an
-    entry of needs (CHECKPOINT_FIELDS), or holds one of another type: a tensor saved by other code, a dict of weights
-    alone, a hand-edited checkpoint."""
-    if not os.path.exists(path):
-        raise ValueError(f"{path} does not exist; train a model first (python train.py "
-                         f"--out_dir={os.path.dirname(path) or '.'})")
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
-    except Exception as err:
-        lines = str(err).splitlines() or [""]
-        detail = lines[0]
-        if "weights_only" in detail:  # PyTorch's advice to load with weights_only=False: never for a file we cannot trust
-            detail = next((line.strip() for line in lines[1:] if line.strip() and "weights_only" not in line
-                           and "WeightsUnpickler" not in line), "not a checkpoint written by train.py, or a damaged one")
-        raise ValueError(f"cannot load {path}: {type(err).__name__}: {detail}") from None
-    if not isinstance(checkpoint, dict):
-        raise ValueError(f"{path} holds a {type(checkpoint).__name__}, not the dict of a checkpoint that train.py "
-                         "writes (the weights, model_args, meta, ...)")
-    missing = [k for k in needs if k not in checkpoint]
-    wrong = [f"{k} is a {type(checkpoint[k]).__name__}" for k in needs
-             if k in checkpoint and not isinstance(checkpoint[k], CHECKPOINT_FIELDS[k])]
-    if "model" in needs and not wrong and "model" in checkpoint and not all(
-            isinstance(v, torch.Tensor) for v in checkpoint["model"].values()):
-        wrong.append("model holds other things than tensors")
-    if missing or wrong:
-        raise ValueError(f"{path} is not a checkpoint that train.py writes, or a damaged one: "
-                         + "; ".join(([f"it has no {', '.join(map(repr, missing))}"] if missing else []) + wrong))
-    return checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -592,7 +554,7 @@ class GPT(nn.Module):
 
     def __init__(self, config, **switches):
         super().__init__()
-        self.config = config
+        self.config = config = replace(config, **switches)  # backend, recompute_elementwise, fused_loss
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config, mixer) for mixer in config.mixers])
@@ -700,7 +662,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint, **overrides):
-        """The model of a checkpoint dict from read_checkpoint; overrides are run-time switches (SWITCHES) or change
+        """The model of a checkpoint dict from run_safety.read_checkpoint; overrides are run-time switches (SWITCHES) or change
         config fields that do not change the weights, such as dropout. Switches saved in model_args by an older
         train.py are ignored. (Weights of a torch.compile'd model, saved by other code, have their keys under
         '_orig_mod.'.)"""

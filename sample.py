@@ -18,7 +18,8 @@ from contextlib import nullcontext
 import torch
 
 from engine import Engine
-from model import GPT, read_checkpoint
+from model import GPT
+from run_safety import read_checkpoint
 from prepare_data import get_tokenizer
 
 # -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import chunked_loss
 import model
 import prepare_data
 from engine import Engine
+import run_safety
 from model import GPT, GPTConfig, kla_chunkwise, kla_recurrent
 
 torch.set_num_threads(2)
@@ -2061,6 +2062,73 @@ def test_experiments_leaves_a_run_in_use_alone(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_experiments_leaves_the_running_runs_output_alone(tmp_path):
+    """A second experiments.py over the --root of one still training (the command typed twice) neither starts its run
+    nor touches the run's stdout.txt, which keeps the first run's output (not emptied, no NUL bytes, no refusal)."""
+    data, root = tmp_path / "data", tmp_path / "exp"
+    prepare_data.prepare("mqar_small", str(data), n_train=100)
+    # trains until stopped here, without a checkpoint (the second run's output was then opened to be emptied)
+    train = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4", "--eval_interval=100000",
+             "--eval_iters=2", "--log_interval=1", "--device=cpu", "--dtype=float32", "--compile=False",
+             "--max_iters=100000", "--patience=0"]
+    cmd = ["experiments.py", "--tasks=mqar_small", "--mixers=kla", "--seeds=1", "--jobs=1", f"--root={root}",
+           f"--results_dir={tmp_path / 'res'}", f"--data_dir={data}", "--train_args=" + " ".join(train)]
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, cmd[0]), *cmd[1:]], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    stdout = root / "mqar_small-kla-1" / "stdout.txt"
+    try:
+        wait_until(lambda: stdout.exists() and b"iter 3:" in stdout.read_bytes(), timeout=240)
+        before = stdout.read_bytes()
+        p = run(*cmd, timeout=240)
+        assert p.returncode == 0, p.stderr
+        assert f"left alone {root / 'mqar_small-kla-1'}: in use by another train.py" in p.stdout, p.stdout
+        after = stdout.read_bytes()
+        assert b"iter 3:" in before and after.startswith(before) and b"\0" not in after and b"error" not in after
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGINT)  # its runs stopped, as at a Ctrl-C
+        first.communicate(timeout=60)
+
+
+@pytest.mark.slow
+def test_experiments_refuses_damaged_tables_files_for_runs_and_changed_flags(tmp_path):
+    """experiments.py, before any work: a results table that it did not write (damaged, edited by hand) is one line; a
+    file where a run's folder should be is one line; a done run trained with another value of a flag of --train_args
+    is one line (its result would be collected as if of these flags); --overwrite=True says when the table it writes
+    keeps rows of other runs in a mean and spread beside the replaced ones."""
+    root, res = tmp_path / "exp", tmp_path / "res"
+    run_dir = root / "mqar_small-kla-1"  # a done run: evaluated at its checkpoint's iteration, its log ended
+    run_dir.mkdir(parents=True)
+    (run_dir / "eval.json").write_text(json.dumps({"mixer": "kla", "seed": 1, "iter_num": 4,
+                                                   "results": [{"length": 128, "accuracy": 0.5}]}))
+    (run_dir / "log.jsonl").write_text('{"iter": 4, "val_loss": 1.0}\n{"iter": 4, "end": "max_iters", "patience": 0}\n')
+    torch.save({"iter_num": 4, "config": {"max_iters": 4, "learning_rate": 0.001}}, run_dir / "ckpt.pt")
+    res.mkdir()
+    table = res / "mqar_small.csv"
+    collect = ["experiments.py", "--collect=True", "--tasks=mqar_small", f"--root={root}", f"--results_dir={res}"]
+    for damaged in ("mixer,seed,accuracy@128\nkla\n", "mixer,seed,accuracy@128\nkla,1,0.5,7\n",
+                    "mixer,seed,accuracy@128\nkla,one,0.5\n", "mixer,seed,accuracy@128\nkla,1,half\n"):
+        table.write_text(damaged)
+        p = run(*collect)
+        assert_clean_error(p, f"{table} is not a results table that experiments.py writes", "restore it")
+        assert len(p.stderr.splitlines()) == 1 and table.read_text() == damaged, p.stderr
+    table.write_text("mixer,step_rule,seed,accuracy@128\nkla,,1,0.9000\nkla,,2,0.8000\n")
+    p = run(*collect, "--overwrite=True")
+    assert p.returncode == 0, p.stderr
+    assert f"warning: --overwrite=True replaces kla seed(s) 1 of {table} with runs under {root}, and keeps its kla " \
+           "seed(s) 2 of other runs" in p.stderr, p.stderr
+    assert "kla,,1," in table.read_text() and ",0.5000" in table.read_text()
+    train = ["experiments.py", "--tasks=mqar_small", "--mixers=kla", f"--root={root}", f"--results_dir={res}",
+             f"--data_dir={tmp_path / 'data'}"]
+    (root / "mqar_small-kla-2").write_text("not a run")
+    p = run(*train, "--seeds=1,2")
+    assert_clean_error(p, f"{root / 'mqar_small-kla-2'} is a file where the folder of a run should be")
+    p = run(*train, "--seeds=1", "--train_args=--max_iters=9 --learning_rate=1e-3")
+    assert_clean_error(p, f"{run_dir} is done, trained with max_iters = 4, and --train_args gives max_iters = 9")
+    assert not (tmp_path / "data").exists()  # before any work
+
+
+@pytest.mark.slow
 def test_experiments_sigterm_stops_like_the_deadline(tmp_path):
     """A SIGTERM to experiments.py (a scheduler's time limit) stops its training runs at once, as --deadline
     does, evaluates their best checkpoint so far and writes the table: the work done is not lost."""
@@ -2450,6 +2518,28 @@ def test_checkpoint_write_is_atomic(trained, tiny_data, tmp_path):
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]  # no temporary file left behind
 
 
+def test_a_checkpoint_is_on_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """run_safety.save_checkpoint flushes and fsyncs each file it writes (the checkpoint, and a resumed run's log held
+    until its first save) before it renames it over the old one, and fsyncs the folder after the renames: a crash at
+    any moment leaves each file whole, the old one or the new one."""
+    log_path = tmp_path / "log.jsonl"
+    log_path.write_text("".join(json.dumps({"iter": i, "loss": 1.0}) + "\n" for i in range(8)))
+    log = run_safety.RunLog(str(log_path), resumed_at=5)  # holds the records of iterations 0 to 4
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(
+        ("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size)) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append(("replace", src, dst)) or replace(src, dst))
+    ckpt = tmp_path / "ckpt.pt"
+    run_safety.save_checkpoint(str(ckpt), {"model": {"w": torch.ones(1000)}, "iter_num": 6}, log)
+    renames = [e for e in events if e[0] == "replace"]
+    assert [dst for _, _, dst in renames] == [str(ckpt), str(log_path)], events
+    for _, src, dst in renames:
+        synced = [e for e in events[:events.index(("replace", src, dst))] if e[:2] == ("fsync", os.path.realpath(src))]
+        assert synced and synced[-1][2] == os.path.getsize(dst), events  # the whole file, flushed, then fsynced
+    assert events[-1][:2] == ("fsync", os.path.realpath(tmp_path)), events  # the renames made durable
+    assert len(log_path.read_text().splitlines()) == 5 and torch.load(ckpt, weights_only=True)["iter_num"] == 6
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_loses_nothing(tiny_data, tmp_path):
     """A run killed with SIGKILL at random moments (a checkpoint is written every iteration, so some kills
@@ -2535,7 +2625,7 @@ def test_nothing_is_unpickled():
     weights_only=True, and no file uses pickle."""
     sources = {f: open(os.path.join(ROOT, f)).read() for f in os.listdir(ROOT) if f.endswith(".py")}
     loads = [(f, m.group(0)) for f, src in sources.items() for m in re.finditer(r"torch\.load\(.*", src)]
-    assert [f for f, _ in loads if f == "model.py"]  # read_checkpoint, which train.py and sample.py use
+    assert [f for f, _ in loads if f == "run_safety.py"]  # read_checkpoint, which train.py and sample.py use
     assert all("weights_only=True" in call for _, call in loads), loads
     assert not [f for f, src in sources.items() if re.search(r"^\s*(import|from) pickle", src, re.M)]
 
@@ -2612,6 +2702,43 @@ def test_config_file_and_int_for_float(tiny_data, tmp_path):
     p = run("train.py", str(cfg), *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'o'}")
     assert p.returncode == 0, p.stderr
     assert [r["iter"] for r in train_log(str(tmp_path / "o")) if "loss" in r] == [0, 1]
+
+
+@pytest.mark.slow
+def test_config_file_may_import_and_define_helpers(tiny_data, tmp_path):
+    """A config file's imports, functions, classes and _private names are not settings: only its other names are
+    (a helper given a setting's name is that setting, of the wrong type)."""
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("import math\nfrom os.path import join\n_base = 2\n\n\ndef double(x):\n    return 2 * x\n\n\n"
+                   "class Sizes:\n    small = 1\n\n\nmax_iters = double(_base) // 2 + Sizes.small - 1\n")
+    p = run("train.py", str(cfg), *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path / 'o'}")
+    assert p.returncode == 0, p.stderr
+    assert [r["iter"] for r in train_log(str(tmp_path / "o")) if "loss" in r] == [0, 1]
+    cfg.write_text("def batch_size():\n    return 4\n")
+    assert_clean_error(run("train.py", str(cfg)), "batch_size must be of type int")
+
+
+@pytest.mark.slow
+def test_two_runs_that_prepare_the_same_missing_dataset_take_turns(tmp_path):
+    """Two train.py that find the same dataset missing at once (two experiments.py, two terminals): the second waits
+    for the first's preparation (slowed down here) and trains on it; both end well."""
+    slow = ("import runpy, sys, time, prepare_data\n"
+            "commit = prepare_data.NewDataset.commit\n"
+            "def slow_commit(self, meta):\n"
+            "    time.sleep(5)\n"
+            "    commit(self, meta)\n"
+            "prepare_data.NewDataset.commit = slow_commit\n"
+            f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    args = ["config/mqar_small.py", "--n_layer=1", "--n_head=2", "--n_embd=32", "--mlp_hidden=64", "--batch_size=4",
+            "--max_iters=1", "--eval_iters=1", "--device=cpu", "--dtype=float32", "--compile=False",
+            "--sample_tokens=0", f"--data_dir={tmp_path / 'data'}"]
+    procs = [subprocess.Popen([sys.executable, "-c", slow, *args, f"--out_dir={tmp_path / str(i)}"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for i in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("is being prepared by another process: waiting for it" in out for out, _ in outs) == 1, outs
 
 
 @pytest.mark.slow
@@ -2786,6 +2913,59 @@ def test_resume_of_an_ended_run(tiny_data, tmp_path):
     assert p.returncode == 3 and files() == before
     p = run("train.py", *args, "--learning_rate=0", "--max_iters=30", "--patience=2")
     assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_that_fails_before_it_saves_keeps_the_log(tiny_data, tmp_path):
+    """A run that stopped early, resumed at a higher patience that fails before its first save (out of memory at its
+    first step, a full disk at its first save), leaves its checkpoint and its log as they were, the end record
+    included: a resume at the old patience is still refused, one at the higher patience trains."""
+    args = [*TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--warmup_iters=0", "--decay_lr=False",
+            "--weight_decay=0", "--eval_interval=3", "--max_iters=30"]
+    assert run("train.py", *args, "--learning_rate=1e-2", "--max_iters=9").returncode == 0
+    p = run("train.py", *args, "--learning_rate=3", "--patience=1", "--init_from=resume")  # worse after its best
+    assert p.returncode == 0 and train_log(str(tmp_path))[-1]["end"] == "early stop", p.stderr
+    files = lambda: [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")]  # noqa: E731
+    before = files()
+    train = (f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    oom = ("import runpy, sys, torch\n"
+           "def oom(*args, **kw):\n"
+           "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+           "torch.nn.utils.clip_grad_norm_ = oom\n")
+    full_disk = ("import errno, os, runpy, sys, torch\n"
+                 "def save(obj, f):\n"
+                 "    f.write(b'half a checkpoint')\n"
+                 "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+                 "torch.save = save\n")
+    for sabotage, said in ((oom, "error: out of memory"), (full_disk, "no space left on the device")):
+        p = run("-c", sabotage + train, *args, "--learning_rate=3", "--patience=2", "--always_save_checkpoint=True",
+                "--init_from=resume")
+        assert_clean_error(p, said)
+        assert files() == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt", "log.jsonl"]
+    p = run("train.py", *args, "--learning_rate=3", "--patience=1", "--init_from=resume")
+    assert_clean_error(p, "the run stopped early", "nothing left to train at patience = 1")
+    assert p.returncode == 3 and files() == before
+    p = run("train.py", *args, "--learning_rate=0", "--patience=2", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_documents_as_the_run_began(tiny_documents, tmp_path):
+    """documents= changes what a batch is (its rows, or the documents packed in them): a resume with the other value
+    than its checkpoint's is refused before any work, naming it; the checkpoint and the log are left as they were."""
+    args = [*TINY, f"--data_dir={tiny_documents}", "--dataset=docs", "--eval_interval=3",
+            "--always_save_checkpoint=True"]
+    for documents in (True, False):
+        out = tmp_path / str(documents)
+        assert run("train.py", *args, "--max_iters=3", f"--documents={documents}", f"--out_dir={out}").returncode == 0
+        files = lambda: [(out / name).read_bytes() for name in ("ckpt.pt", "log.jsonl")]  # noqa: E731
+        before = files()
+        p = run("train.py", *args, "--max_iters=6", f"--documents={not documents}", f"--out_dir={out}",
+                "--init_from=resume")
+        assert_clean_error(p, f"{out / 'ckpt.pt'} was trained with documents={documents}: resume it with "
+                              f"--documents={documents}, or train a new run with documents={not documents}")
+        assert len(p.stderr.splitlines()) == 1 and files() == before, p.stderr
 
 
 @pytest.mark.slow
@@ -3237,6 +3417,29 @@ def test_damaged_data_files(tiny_data, tmp_path):
     assert_each_is_one_line("train.py", cases, *TINY, f"--data_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}")
 
 
+@pytest.mark.parametrize("when", ["import", "model"])
+@pytest.mark.slow
+def test_ctrl_c_while_train_py_starts_is_one_line(tiny_data, tmp_path, when):
+    """Ctrl-C in train.py's first seconds, while torch is imported or the model built (sent here at those moments):
+    one line, exit status 130, no traceback."""
+    interrupt = {"import": ("import builtins, os, signal\n"
+                            "real_import = builtins.__import__\n"
+                            "def importing(name, *args, **kw):\n"
+                            "    if name == 'torch':\n"
+                            "        os.kill(os.getpid(), signal.SIGINT)\n"
+                            "    return real_import(name, *args, **kw)\n"
+                            "builtins.__import__ = importing\n"),
+                 "model": ("import os, signal, model\n"
+                           "def building(self, *args, **kw):\n"
+                           "    os.kill(os.getpid(), signal.SIGINT)\n"
+                           "model.GPT.__init__ = building\n")}[when]
+    train = (f"sys.argv = {[os.path.join(ROOT, 'train.py')]!r} + sys.argv[1:]\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    p = run("-c", "import runpy, sys\n" + interrupt + train, *TINY, f"--data_dir={tiny_data}",
+            f"--out_dir={tmp_path / 'out'}", "--max_iters=2")
+    assert p.returncode == 130 and p.stderr == "interrupted\n", p.stderr
+
+
 @pytest.mark.slow
 def test_half_precision_on_the_cpu_warns(tiny_data, tmp_path):
     p = run("train.py", *TINY, f"--data_dir={tiny_data}", f"--out_dir={tmp_path}", "--max_iters=1", "--dtype=bfloat16")
@@ -3568,7 +3771,7 @@ def test_checkpoint_without_the_step_rule_fields_loads_and_resumes(tiny_data, tm
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["model_args"].pop("step_rule") == "" and ckpt["model_args"].pop("decay") is True
     torch.save(ckpt, path)
-    m = GPT.from_checkpoint(model.read_checkpoint(path))
+    m = GPT.from_checkpoint(run_safety.read_checkpoint(path))
     assert m.blocks[0].mixer.rule == "kaczmarz" and m.config.decay
     p = run("train.py", *args, "--max_iters=4", "--init_from=resume")
     assert p.returncode == 0, p.stderr
