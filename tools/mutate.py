@@ -25,24 +25,24 @@ SCHEDULE = f"{NUMBERS}::test_schedule_every_iteration_and_after_resume"
 MUTATIONS = [  # (name, file, old text, new text, pytest arguments)
     # the references and the step rules
     ("beta_eps_twice", "model.py", "r2 = k.pow(2).sum(-1) + eps", "r2 = k.pow(2).sum(-1) + 2 * eps",
-     "test_kla.py -k 'test_step_rule_beta_is_its_formula or test_recurrent_matches_literal_recurrence'"),
+     "tests/ -k 'test_step_rule_beta_is_its_formula or test_recurrent_matches_literal_recurrence'"),
     ("beta_longhorn_without_eta", "model.py", "return eta / (1 + eta * k.pow(2).sum(-1))",
-     "return eta / (1 + k.pow(2).sum(-1))", "test_kla.py -k test_step_rule_beta_is_its_formula"),
+     "return eta / (1 + k.pow(2).sum(-1))", "tests/ -k test_step_rule_beta_is_its_formula"),
     ("recurrent_output_unscaled", "model.py", 'torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale)',
-     'torch.einsum("bhkv,bhk->bhv", S, q[:, t])', "test_kla.py -k test_recurrent_matches_literal_recurrence"),
+     'torch.einsum("bhkv,bhk->bhv", S, q[:, t])', "tests/ -k test_recurrent_matches_literal_recurrence"),
     ("recurrent_decay_first_order", "model.py", "S = S * g[:, t].exp()[..., None, None]",
-     "S = S * (1 + g[:, t])[..., None, None]", "test_kla.py -k test_recurrent_matches_literal_recurrence"),
+     "S = S * (1 + g[:, t])[..., None, None]", "tests/ -k test_recurrent_matches_literal_recurrence"),
     ("chunkwise_exclusive_decay", "model.py", "decay_out = b.exp().to(dtype)",
      "decay_out = (b - g.double()).exp().to(dtype)",
-     "test_kla.py -k 'test_chunkwise_matches_recurrent_float64 and 37-16'"),
+     "tests/ -k 'test_chunkwise_matches_recurrent_float64 and 37-16'"),
     ("chunkwise_state_not_decayed", "model.py", "S = decay_out[:, :, n, -1, None, None] * S + ",
-     "S = S + ", "test_kla.py -k 'test_chunkwise_matches_recurrent_float64 and 130-64'"),
+     "S = S + ", "tests/ -k 'test_chunkwise_matches_recurrent_float64 and 130-64'"),
     ("raw_rule_keys_normalised", "model.py", 'if self.rule == "unit":\n            k = F.normalize',
-     'if self.rule in ("unit", "raw"):\n            k = F.normalize', "test_kla.py -k test_each_step_rule_trains"),
+     'if self.rule in ("unit", "raw"):\n            k = F.normalize', "tests/ -k test_each_step_rule_trains"),
     # the kernel's Kaczmarz step (float32, in Triton's interpreter)
     ("kernel_beta_eps_twice", "kernel.py", "beta = eta\n    if KACZ:\n        d = r2 + eps",
      "beta = eta\n    if KACZ:\n        d = r2 + 2 * eps",
-     "test_kla.py -k 'test_kernel_matches_float64 and 1-130-2-48-40'"),
+     "tests/ -k 'test_kernel_matches_float64 and 1-130-2-48-40'"),
     # train.py's learning-rate schedule
     ("lr_warmup_from_zero", "train.py", "return learning_rate * (it + 1) / (warmup_iters + 1)",
      "return learning_rate * it / warmup_iters", SCHEDULE),
@@ -56,9 +56,9 @@ MUTATIONS = [  # (name, file, old text, new text, pytest arguments)
     # checkpoint save
     ("checkpoint_fresh_optimizer", "train.py", '"optimizer": optimizer.state_dict(),',
      '"optimizer": model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type).state_dict(),',
-     "test_kla.py -k test_resume_is_exact"),
+     "tests/ -k test_resume_is_exact"),
     ("checkpoint_patience_reset", "train.py", '"evals_since_best": evals_since_best,', '"evals_since_best": 0,',
-     "test_kla.py -k test_resume_keeps_patience_and_iteration_0_saves_nothing"),
+     "tests/ -k test_resume_keeps_patience_and_iteration_0_saves_nothing"),
     # evaluate.py's metrics
     ("eval_mean_of_batch_means", "evaluate.py", "total + (loss.item() * n if n else 0.0), count + n",
      "total + loss.item(), count + 1", f"{NUMBERS} -k test_evaluate_documents_and_padding"),
@@ -120,7 +120,7 @@ def main():
             t0 = time.time()
             try:
                 p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                    *shlex.split(tests)], cwd=tmp, capture_output=True, text=True,
+                                    "-m", "slow or not slow", *shlex.split(tests)], cwd=tmp, capture_output=True, text=True,
                                    timeout=args.timeout)
                 code = p.returncode
             except subprocess.TimeoutExpired:

@@ -15,7 +15,7 @@ synchronously, the sequential kernels at their configurations for 16 and for 128
     python tools/ptxas_report.py --trans
 Each chunk kernel's transposes (tt.trans in its Triton IR): of a loaded tile or of a matrix computed from a
 product, and whether the transpose reaches a product's operand. A computed matrix transposed into a product is what
-Triton 3.4 to 3.7.0 miscompile on Hopper (fla #640); the kernels avoid it (test_kla checks).
+Triton 3.4 to 3.7.0 miscompile on Hopper (fla #640); the kernels avoid it (tests/test_kernel.py checks).
 """
 import os
 import re
