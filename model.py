@@ -28,7 +28,7 @@ inference: prefill, CUDA graphs, fused decoding; GPT.generate here is the simple
 
 import math
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -554,7 +554,7 @@ class GPT(nn.Module):
 
     def __init__(self, config, **switches):
         super().__init__()
-        self.config = config = replace(config, **switches)  # backend, recompute_elementwise, fused_loss
+        self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config, mixer) for mixer in config.mixers])
@@ -662,9 +662,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint, **overrides):
-        """The model of a checkpoint dict from run_safety.read_checkpoint; overrides are run-time switches (SWITCHES) or change
-        config fields that do not change the weights, such as dropout. Switches saved in model_args by an older
-        train.py are ignored. (Weights of a torch.compile'd model, saved by other code, have their keys under
+        """The model of a checkpoint dict from run_safety.read_checkpoint; overrides are run-time switches (SWITCHES)
+        or change config fields that do not change the weights, such as dropout. Switches saved in model_args by an
+        older train.py are ignored. (Weights of a torch.compile'd model, saved by other code, have their keys under
         '_orig_mod.'.)"""
         switches = {k: overrides.pop(k) for k in SWITCHES if k in overrides}
         args = {**{k: v for k, v in checkpoint["model_args"].items() if k not in SWITCHES}, **overrides}
