@@ -40,6 +40,7 @@ def test_bench_smoke(tmp_path):
     assert (tmp_path / "bench.md").read_text().count("### ") == len(sections.split(","))
 
 
+@pytest.mark.slow
 def test_tune_tool_times_variants_from_overridden_table_rows(tmp_path):
     """tools/tune.py --smoke: decode_linear's variants and the backward's, in Triton's interpreter, each variant
     launched from the table rows it overrides (kernel.CONFIGS, kernel_decode.DECODE_CONFIGS), restored after it."""
@@ -93,7 +94,7 @@ def test_loss_bench_tool_checks_its_flags_and_compares_the_losses():
     if not torch.cuda.is_available():
         assert_clean_error(run(tool), "found none")
     code = ("import sys, torch; sys.argv = ['loss_bench.py']; sys.path.insert(0, 'tools'); import loss_bench as b; "
-            "b.kla_model.LOSS_CHUNK = 2 ** 10; torch.manual_seed(0); t = torch.randint(0, 300, (64,)); t[::7] = -1; "
+            "b.chunked_loss.LOSS_CHUNK = 2 ** 10; torch.manual_seed(0); t = torch.randint(0, 300, (64,)); t[::7] = -1; "
             "out = []\n"
             "for fn in (b.plain, b.fused):\n"
             "    x, w = torch.randn(64, 16, requires_grad=True), torch.randn(300, 16, requires_grad=True)\n"
