@@ -18,11 +18,8 @@ import torch
 
 from model import DeltaMixer, check_sampling, kernel_decode, sample_next
 
-# The segment of a long prompt that KLA / GDN read at a time (Engine.stream, sample.py): their prefill's memory stays flat in
-# the prompt's length. On an H200 (GPT-2 small, bf16, batch 1; python3 tools/prefill_segments.py at git commit 7935b57,
-# results/bench_h200/prefill_segments.md), 16384 tokens with the CUDA graph of a segment take 1.05 / 1.07 / 1.08x the
-# one pass at 32K / 64K / 128K, peak 1.67 -> 1.83 GiB against the one pass's 1.15 -> 3.67; 8192 take 1.24-1.27x at
-# 0.98 -> 1.16 GiB, 32768 1.03-1.05x at 3.01 -> 3.10 GiB (more than the one pass's 2.00 at 64K).
+# The segment of a long prompt that KLA / GDN read at a time (Engine.stream, sample.py): prefill memory stays flat
+# in the prompt's length at 1.05-1.08x the one pass's time from 32K to 128K (results/bench_h200/prefill_segments.md).
 PREFILL_SEGMENT = 16384
 
 # -----------------------------------------------------------------------------

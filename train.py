@@ -81,8 +81,8 @@ mlp_hidden = 0  # SwiGLU width; 0: 8/3 n_embd rounded up to a multiple of 64
 chunk_size = 64
 # how a step is computed, not what: the model's switches (GPT(config, **switches)), free to change on resuming
 backend = "auto"  # 'auto' (Triton on CUDA, else the PyTorch chunkwise path), 'triton', 'chunkwise', 'recurrent'
-# on a GPU both memory switches on: faster and leaner at GPT-2 small's size (BENCHMARKS.md, Training); no-ops where
-# they do not apply (attention layers; evaluation and sampling, which get logits)
+# on a GPU both memory switches on: faster and leaner at GPT-2 small's size (results/bench_h200/train_memory.md);
+# no-ops where they do not apply (attention layers; evaluation and sampling, which get logits)
 recompute_elementwise = _gpu  # KLA / GDN: the layer's elementwise work recomputed in the backward, not kept
 fused_loss = _gpu  # training: the loss and its gradient computed in the forward in chunks of rows, no logits kept
 # AdamW optimizer
