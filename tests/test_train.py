@@ -610,6 +610,24 @@ def test_resume_keeps_patience_and_iteration_0_saves_nothing(tiny_data, tmp_path
 
 
 @pytest.mark.slow
+def test_resume_keeps_the_count_of_evaluations_without_improvement(tiny_data, tmp_path):
+    """A run with always_save_checkpoint=True saves the number of evaluations since the best one: stopped after
+    some evaluations without improvement and resumed, it stops early at the uninterrupted run's iteration. With a
+    learning rate of 0 every evaluation after the first (the best) gives the same val loss, no improvement."""
+    args = [*TINY, f"--data_dir={tiny_data}", "--eval_interval=2", "--learning_rate=0", "--decay_lr=False",
+            "--always_save_checkpoint=True", "--patience=3"]
+    full, half = tmp_path / "full", tmp_path / "half"
+    assert run("train.py", *args, f"--out_dir={full}", "--max_iters=20").returncode == 0
+    end = train_log(str(full))[-1]
+    assert end == {"iter": 8, "end": "early stop", "patience": 3}, end  # evaluations at 4, 6, 8 not better than 2
+    p = run("train.py", *args, f"--out_dir={half}", "--max_iters=6")  # two evaluations without improvement
+    assert p.returncode == 0, p.stderr
+    p = run("train.py", *args, f"--out_dir={half}", "--max_iters=20", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    assert train_log(str(half))[-1] == end, train_log(str(half))[-1]
+
+
+@pytest.mark.slow
 def test_resume_evaluates_past_a_checkpoint_between_evaluations(tiny_data, tmp_path):
     """A checkpoint at an iteration that is not a multiple of eval_interval (a run of 25 iterations evaluated every
     10 ends with one at 25): the resumed run's first evaluation (30) is of new weights and is saved when it is the

@@ -58,7 +58,7 @@ MUTATIONS = [  # (name, file, old text, new text, pytest arguments)
      '"optimizer": model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type).state_dict(),',
      "tests/ -k test_resume_is_exact"),
     ("checkpoint_patience_reset", "train.py", '"evals_since_best": evals_since_best,', '"evals_since_best": 0,',
-     "tests/ -k test_resume_keeps_patience_and_iteration_0_saves_nothing"),
+     "tests/ -k 'test_resume_keeps_patience_and_iteration_0_saves_nothing or test_resume_keeps_the_count'"),
     # evaluate.py's metrics
     ("eval_mean_of_batch_means", "evaluate.py", "total + (loss.item() * n if n else 0.0), count + n",
      "total + loss.item(), count + 1", f"{NUMBERS} -k test_evaluate_documents_and_padding"),
