@@ -1,6 +1,6 @@
 """
-Triton kernels for Kaczmarz Linear Attention (KLA): chunkwise forward and backward, and a decode step.
-Imports only torch and Triton (copy it alone into another project).
+Triton kernels for Kaczmarz Linear Attention (KLA): chunkwise forward and backward, and a decode step. Imports only
+torch and Triton (copy it alone into another project).
 
 Per head, with the state S (K x V) in float32 and beta_t = eta_t / (||k_t||^2 + eps) (KLA) or eta_t (GDN):
 
@@ -16,8 +16,7 @@ entering the chunk, Gamma_ij = exp(b_i - b_j) for i >= j, else 0):
     O   = scale (Diag(exp b) Q S0 + (Gamma o Q K^T) U)
     S1  = exp(b_C) S0 + K^T Diag(exp(b_C - b)) U
 
-Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)); grids
-(chunks, B*H) unless said:
+Kernels (q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), states (B, H, K, V)); grid (chunks, B*H) unless said:
     _prep_kernel       b (log2 domain), beta, and Ar inverted in float32 (16 x 16 blocks merged 16 -> 32 -> 64).
     _fwd_pre_kernel    the state-free parts W = P Diag(exp b) K, U0 = P V and Aqk = Gamma o QK^T.
     _fwd_kernel        grid (V / BV, B*H): the chunks in order, S in registers: U = U0 - W S, O, S1; saves S0.
@@ -29,21 +28,14 @@ Kernels (the layout is q, k (B, T, H, K), v (B, T, H, V), g, eta (B, T, H), stat
     _bwd_dqk_kernel    grid (K / BKB, chunks, B*H): dq, dk of BKB key columns, and the gate terms needing S0, dS1.
     _bwd_dg_kernel     sums those over the key blocks into dg.
     _step_kernel       grid (V / BV, B*H): one decoding token, the state read and written once.
-The step size beta and its derivatives are the helpers _beta and _dbeta, used by every kernel here and in
-kernel_decode.py (the model's block-level decoding fusions): a new step-size rule changes model.kla_beta
-and those two. The one-token step on a state tile, _delta_step, is shared with kernel_decode.py too.
-Block sizes, warps and pipeline stages: the table CONFIGS after the constants, a reason a row.
+The step size (_beta, _dbeta) and the one-token step (_delta_step) are shared with kernel_decode.py: a new
+step-size rule changes model.kla_beta and those two. Block sizes, warps and stages: the table CONFIGS, a reason a row.
 
-Packed sequences (cu_seqlens, VARLEN): each sequence takes chunks of its own (_varlen_layout), so that no chunk holds
-two; the chunk-parallel kernels find a chunk's tokens in place in q, k, v, o through a chunk table (_chunk_rows: rows
-past the sequence's end are masked, zeros that change nothing), and one program of _fwd_kernel and _bwd_state_kernel
-per (sequence, head, value block) walks that sequence's chunks from its initial state (_seq_program), so the packed
-sequences run in parallel. Nothing is copied.
+Packed sequences (cu_seqlens, VARLEN): each sequence has chunks of its own (_varlen_layout), found in place through a
+chunk table (_chunk_rows); a program of the sequential kernels walks one sequence's chunks (_seq_program). No copies.
 
-On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled
-(fla #640). Here only tiles loaded from memory are transposed into a dot (one computed matrix, E in _bwd_wy_kernel,
-is transposed into a sum, never a dot); the product that needs a transposed computed matrix (dA^T Q) loads
-dA o Gamma transposed from the buffer _bwd_wy_kernel wrote.
+On Hopper with Triton 3.4 to 3.7.0 a tl.trans of a tl.dot result feeding another dot is miscompiled (fla #640): only
+loaded tiles are transposed into a dot here (E in _bwd_wy_kernel into a sum); dA^T Q loads dA o Gamma transposed.
 """
 
 import math
@@ -69,8 +61,7 @@ GATE_FLOOR = tl.constexpr(-104.)
 # BKB are caps, lowered to V's power of two (at least 16) and to BK. The measurements: docs/kernel.md, "Choices".
 
 CONFIGS = {
-    # _prep_kernel
-    ("prep", "16-bit"): dict(num_warps=1),  # more warps lose: the forward substitution's reductions cross warps
+    ("prep", "16-bit"): dict(num_warps=1),  # _prep_kernel: more warps lose (the substitution's reductions cross warps)
     ("prep", "fp32"): dict(num_warps=2),  # float32 tiles take twice the registers (not measured)
     # _fwd_pre_kernel, _fwd_o_kernel, _bwd_pre_kernel: BV value columns a step
     ("pre", "16-bit"): dict(BV=64, num_warps=4),  # wide steps: fewer passes over the chunk's C x C tiles
@@ -89,8 +80,7 @@ CONFIGS = {
     ("fuse_o", "fills the GPU"): dict(FUSE_O=True),  # the programs at 16 columns fill the SMs: no second pass
     ("fuse_o", "few programs, states saved or long"): dict(FUSE_O=False),  # fewer bytes a step of the serial loop
     ("fuse_o", "few programs"): dict(FUSE_O=True),  # short forward-only calls: no consistent gain from the split
-    # _bwd_cc_kernel, the chunk backward's value loop
-    ("bwd_cc", "fp32"): dict(BV=16, num_warps=4, num_stages=1),  # float32 tiles in registers
+    ("bwd_cc", "fp32"): dict(BV=16, num_warps=4, num_stages=1),  # _bwd_cc_kernel (value loop): float32 tiles
     ("bwd_cc", "K <= 64"): dict(BV=64, num_warps=4, num_stages=1),  # fewer, wider steps beat BV 16's fewer spills
     ("bwd_cc", "K >= 96"): dict(BV=64, num_warps=4, num_stages=2),  # the second stage pays from K = 96 on
     # _bwd_wy_kernel, the C x C algebra: no loop to pipeline (3 stages: Triton's default)
@@ -102,14 +92,12 @@ CONFIGS = {
     ("bwd_dqk", "K <= 64"): dict(BKB=64, BV=32, num_warps=8, num_stages=1),  # 2 stages were slower here
     # two programs a chunk at K = 128 read dO, dVn, Uc, dAg, E + E^T half as often as four; 64 columns at any V
     ("bwd_dqk", "K >= 96"): dict(BKB=64, BV=64, num_warps=4, num_stages=2, exact_bv=True),
-    # _step_kernel, one decoding token
-    ("step", "any"): dict(BV=32, num_warps=4),  # the state read and written once, in small tiles
+    ("step", "any"): dict(BV=32, num_warps=4),  # _step_kernel: the state read and written once, in small tiles
 }
 
 
 def _config(name, BK, V, fp32=False, BH=0, save=False, N=0):
-    """The launch values of CONFIGS's row for kernel `name` at key block BK, V value columns, BH programs' (batch or
-    sequence) x heads of the sequential kernels, save (states kept for a backward) and N chunks."""
+    """CONFIGS's row for kernel `name`: BH (batch or sequence) x heads, save: states kept for a backward, N chunks."""
     few = BH * triton.cdiv(V, 32) < SMS  # the sequential kernels at 32 columns would leave SMs idle
     if name == "fuse_o":
         case = ("fills the GPU" if not few or BH * triton.cdiv(V, 16) >= 128 else
@@ -243,7 +231,6 @@ def _prep_kernel(k, g, eta, bl_out, beta_out, ar_out, sa, cr, T, H, Tp, eps,
     r = tl.arange(0, C)
     m = x0 + r < xe
     tok = (i_b * T + x0 + r) * H + i_h
-    # a gate below GATE_FLOOR (g = -inf: a decay of exactly 0) is raised to it, so that b stays finite
     gg = tl.maximum(tl.load(g + tok, mask=m, other=0.), GATE_FLOOR)
     # the cumulative sum as a masked row sum (tl.cumsum next to tl.sum has crashed Triton 3.6)
     bl = tl.sum(tl.where(r[:, None] >= r[None, :], gg[None, :], 0.), 1) * 1.4426950408889634  # log2(e)
@@ -526,8 +513,7 @@ def _bwd_cc_kernel(k, v, do, bl_ptr, beta_ptr, ar, aqk, hs, dhs, uc, dovn, dp, s
         Vn = (bv.to(tl.float32) - eb[:, None] * kS).to(dt)
         U = tl.dot(P, Vn, input_precision=PREC)
         _st(uc + i_bh * Tp * V, rt, cv, Tp, V, V, 1, U * ecb[:, None])
-        # dU^T = scale dO^T (Gamma o QK^T) + (Diag(e^{b_C - b}) K dS1)^T from the transposes of loaded tiles, so that
-        # the two C x C products take Vn as it is (no computed matrix is transposed into a dot)
+        # dU^T = scale dO^T (Gamma o QK^T) + (Diag(e^{b_C - b}) K dS1)^T from the transposes of loaded tiles
         kdS_t = tl.dot(tl.trans(dS1), tl.trans(bk), input_precision=PREC) * ecb[None, :]
         dU_t = scale * tl.dot(tl.trans(bdo), baqk, input_precision=PREC) + kdS_t
         dOVn_t = tl.dot(Vn, tl.trans(bdo), acc=dOVn_t, input_precision=PREC)
@@ -563,7 +549,6 @@ def _bwd_wy_kernel(k, g, eta, bl_ptr, beta_ptr, ar, aqk, dovn, dp, dag, emat, co
     bl = tl.load(bl_ptr + i_bh * Tp + rt)
     beta = tl.load(beta_ptr + i_bh * Tp + rt)
     m = rx < xe
-    # every operand requested here, before the first product: one round trip to memory instead of one per product
     bar_t = tl.load(ar + ar_off + r[None, :] * C + r[:, None]).to(tl.float32)  # Ar^T
     bar = tl.load(ar + ar_off + r[:, None] * C + r[None, :]).to(tl.float32)
     dOVn = tl.load(dovn + ar_off + r[:, None] * C + r[None, :]).to(dt)
@@ -653,9 +638,7 @@ def _bwd_dqk_kernel(q, k, do, dv, bl_ptr, hs, dhs, uc, dag, emat, coef, dq, dk, 
     bdk += neb[:, None] * Y
     bdq = tl.dot(dAg, bk, acc=X * (-scale * neb)[:, None], input_precision=PREC)
     _st(dq + qk_off, rx, ck, xe, K, H * K, 1, bdq)
-    # the gate gradient's terms that need S0 or dS1, over these key columns (d / d b, summed by _bwd_dg_kernel):
-    # rows of dO o (Q S0) = rows of (dO S0^T) o Q and of dVn o (K S0) = rows of (dVn S0^T) o K, both times exp(b);
-    # minus the rows cS, whose sum goes to the chunk's last position
+    # the docstring's gate terms: rows of dO o (Q S0) = rows of (dO S0^T) o Q, dVn o (K S0) likewise, times exp(b)
     i_q = i_k * tl.num_programs(2) + i_bh
     qd = scale * tl.sum(X * bq.to(tl.float32), 1) - tl.sum(Y * bk.to(tl.float32), 1)
     tl.store(qdp + i_q * Tp + rt, -neb * qd - cS)
@@ -715,10 +698,13 @@ def _step_kernel(q, k, v, g, eta, s_in, o, s_out, scale, eps,
 # launch
 
 
+_interpreter_warned = [False]  # the interpreter's bf16 warning is given once a process
+_layout_cache = [None]  # (values, device, layout) of the last cu_seqlens: a model's layers share one copy to the device
+
+
 def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None):
-    """A ValueError naming the first input that the kernels cannot take. Nothing here synchronises (the
-    decoding step runs inside CUDA graphs), so unlike model.kla_chunkwise this does not check g <= 0; only
-    cu_seqlens is read back (its layout returned, _check_cu_seqlens; None without it)."""
+    """A ValueError naming the first input the kernels cannot take, else cu_seqlens's layout or None. No sync (CUDA
+    graphs): g <= 0 is not checked; only cu_seqlens is read back (_check_cu_seqlens)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("eta", eta)):
         if not torch.is_tensor(x) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{name} has dtype {getattr(x, 'dtype', type(x))}; the Triton kernel takes bfloat16, "
@@ -762,16 +748,8 @@ def _check(q, k, v, g, eta, state, eps, step=False, cu_seqlens=None, scale=None)
     return layout
 
 
-_interpreter_warned = [False]  # the interpreter's bf16 warning is given once a process
-
-
-_layout_cache = [None]  # (cu_seqlens's values, device, layout) of the last packed call
-
-
 def _check_cu_seqlens(cu_seqlens, q):
-    """The layout of packed sequences (_varlen_layout), or a ValueError naming what is wrong with cu_seqlens (the
-    same checks as checks.check_cu_seqlens). Its values are read back to the host; the layout of the last values is
-    kept, so that the layers of a model share one copy to the device (keyed on the values, never on the tensor)."""
+    """_varlen_layout's layout, or a ValueError as checks.check_cu_seqlens's; the last values' layout is kept."""
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be an int32 or int64 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
     if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
@@ -796,12 +774,9 @@ def _check_cu_seqlens(cu_seqlens, q):
 
 
 def _varlen_layout(bounds, device):
-    """The chunks of packed sequences: sequence n takes chunks cs[n] .. cs[n + 1] - 1, its own, so that no chunk holds
-    two sequences; the kernels' chunk buffers (b, beta, the inverses, W, U, ...) are laid out by chunk, the tokens
-    stay where they are in q, k, v, o (a chunk's rows past its sequence's end are masked: zeros, which change
-    nothing). Returns (cu_seqlens (N + 1,) int32, cs (N + 1,), the sequences from the most chunks to the fewest
-    (N,) (for _seq_program), the chunk table cr (2 n_chunks,): each chunk's first token, then the end of its
-    sequence (for _chunk_rows), n_chunks, N); built on the host, one copy to the device."""
+    """Sequence n takes chunks cs[n] .. cs[n + 1] - 1. Returns (cu_seqlens (N + 1,) int32, cs (N + 1,), the sequences
+    from the most chunks to the fewest (N,) for _seq_program, the chunk table cr (2 n_chunks,) for _chunk_rows: each
+    chunk's first token, then its sequence's end; n_chunks, N), built on the host, copied to the device once."""
     C = C_CHUNK
     cu = torch.tensor(bounds)
     lens = cu[1:] - cu[:-1]
@@ -825,30 +800,22 @@ def _block_k(K):
     return max(16, triton.next_power_of_2(K))
 
 
-def _prec(x):
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
-def _dot_dtype(x):
-    """Tensor-core operand type: the input's, with float16 widened to bfloat16 (KLA's 1 / ||k||^2 range)."""
-    return tl.float32 if x.dtype == torch.float32 else tl.bfloat16
+def _precision(x):
+    """(float32?, tl.dot's input_precision, operand type, stored buffers' dtype): float16 widened to bfloat16 (KLA's
+    1 / ||k||^2 range)."""
+    if x.dtype == torch.float32:
+        return True, "ieee", tl.float32, torch.float32
+    return False, "tf32", tl.bfloat16, torch.bfloat16
 
 
 def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
-    """The forward kernels on contiguous q, k, v (one dtype) and float32 g, eta, h0: (o, the final states or None,
-    and what the backward reads: b, beta, the inverses, the chunk states or None, Aqk or None). N chunks, n_state
-    states: cdiv(T, C) and B, or for packed sequences in a batch of 1 cu_seqlens, cs, order, cr from _varlen_layout
-    and its numbers of chunks and sequences (states (n_state, H, K, V))."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C, BK = C_CHUNK, _block_k(K)
-    Tp, varlen = N * C, cu is not None  # the chunk buffers' rows
-    dev, prec, dt = q.device, _prec(q), _dot_dtype(q)
-    sdt = torch.float32 if q.dtype == torch.float32 else torch.bfloat16  # stored inverses and states
-    bl = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
-    beta = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
+    """The forward kernels on contiguous q, k, v (one dtype), float32 g, eta, h0: (o, final states, and for the backward
+    b, beta, the inverses, chunk states, Aqk; None if absent). cu, cs, order, cr, N, n_state: kla_chunk's `packed`."""
+    (B, T, H, K), V = q.shape, v.shape[-1]
+    C, BK, Tp, varlen = C_CHUNK, _block_k(K), N * C_CHUNK, cu is not None  # Tp: the chunk buffers' rows
+    dev, (fp32, prec, dt, sdt) = q.device, _precision(q)  # sdt: the stored inverses and states
+    bl, beta = (torch.empty(B * H, Tp, device=dev, dtype=torch.float32) for _ in range(2))
     ar = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
-    fp32 = q.dtype == torch.float32
     sa = ar if fp32 else torch.empty(B * H, Tp, C, device=dev, dtype=torch.float32)  # A in float32
     _prep_kernel[(N, B * H)](k, g, eta, bl, beta, ar, sa, cr, T, H, Tp, eps, K=K, C=C, BK=BK, KACZ=kaczmarz,
                              VARLEN=varlen, PREC=prec, **_config("prep", BK, V, fp32))
@@ -857,17 +824,14 @@ def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_fi
     ht = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     fuse_o = _config("fuse_o", BK, V, fp32, n_state * H, save, N)["FUSE_O"]
     hs = torch.empty(B * H, N, K, V, device=dev, dtype=sdt) if save or not fuse_o else None
-    w = torch.empty(B * H, Tp, K, device=dev, dtype=sdt)
-    u0 = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
-    aqk = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
+    w, u0, aqk = (torch.empty(B * H, Tp, n, device=dev, dtype=sdt) for n in (K, V, C))
     pre = _config("pre", BK, V, fp32)
     _fwd_pre_kernel[(N, B * H)](q, k, v, bl, beta, ar, w, u0, aqk, cr, T, H, Tp, K=K, V=V, C=C, BK=BK,
                                 VARLEN=varlen, PREC=prec, DT=dt, **pre)
     seq = _config("fwd", BK, V, fp32, n_state * H)
-    _fwd_kernel[(triton.cdiv(V, seq["BV"]), n_state * H)](
-        q, k, bl, w, u0, aqk, h0, o, ht, hs, cu, cs, order, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, USE_H0=h0 is not None, STORE_HT=output_final_state,
-        SAVE_H=hs is not None, FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt, **seq)
+    _fwd_kernel[(triton.cdiv(V, seq["BV"]), n_state * H)](q, k, bl, w, u0, aqk, h0, o, ht, hs, cu, cs, order, T, H,
+        Tp, scale, K=K, V=V, C=C, BK=BK, USE_H0=h0 is not None, STORE_HT=output_final_state, SAVE_H=hs is not None,
+        FUSE_O=fuse_o, VARLEN=varlen, PREC=prec, DT=dt, **seq)
     if not fuse_o:
         _fwd_o_kernel[(N, B * H)](q, bl, w, u0, aqk, hs, o, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                   VARLEN=varlen, PREC=prec, DT=dt, **pre)
@@ -877,56 +841,42 @@ def _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_fi
 def _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, order, cr, scale, eps, kaczmarz,
                     has_h0, N, n_state):
     """The backward kernels: (dq, dk, dv, dg, deta, dh0 or None), dg, deta, dh0 in float32."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C, BK = C_CHUNK, _block_k(K)
-    Tp, varlen = N * C, cu is not None
-    dev, prec, dt = q.device, _prec(q), _dot_dtype(q)  # do contiguous (_chunk_grad)
-    dv = torch.empty_like(v)
-    dhs = torch.empty_like(hs)
+    (B, T, H, K), V = q.shape, v.shape[-1]
+    C, BK, Tp, varlen = C_CHUNK, _block_k(K), N * C_CHUNK, cu is not None
+    dev, (fp32, prec, dt, sdt) = q.device, _precision(q)  # do contiguous (_chunk_grad)
+    dv, dhs = torch.empty_like(v), torch.empty_like(hs)
     dh0 = torch.empty(n_state, H, K, V, device=dev, dtype=torch.float32) if has_h0 else None
     dht = None if dht is None else dht.float().contiguous()
-    wd = torch.empty(B * H, Tp, K, device=dev, dtype=hs.dtype)
-    dv0 = torch.empty(B * H, Tp, V, device=dev, dtype=hs.dtype)
-    fp32 = q.dtype == torch.float32
+    wd, dv0 = (torch.empty(B * H, Tp, n, device=dev, dtype=sdt) for n in (K, V))
     _bwd_pre_kernel[(N, B * H)](k, do, bl, beta, ar, aqk, wd, dv0, cr, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
                                 VARLEN=varlen, PREC=prec, DT=dt, **_config("pre", BK, V, fp32))
     seq = _config("bwd_state", BK, V, fp32, n_state * H)
     _bwd_state_kernel[(triton.cdiv(V, seq["BV"]), n_state * H)](
-        q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen,
-        PREC=prec, DT=dt, **seq)
+        q, k, do, bl, wd, dv0, dht, dv, dhs, dh0, cu, cs, order, T, H, Tp, scale, K=K, V=V, C=C, BK=BK,
+        USE_DHT=dht is not None, STORE_DH0=has_h0, VARLEN=varlen, PREC=prec, DT=dt, **seq)
     del wd, dv0
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-    deta = torch.empty(B, T, H, device=dev, dtype=torch.float32)
-    sdt = hs.dtype
-    uc = torch.empty(B * H, Tp, V, device=dev, dtype=sdt)
-    dovn, dag, emat = (torch.empty(B * H, Tp, C, device=dev, dtype=sdt) for _ in range(3))
-    # dU Vn^T in bf16 like the other C x C buffers: faster than float32, within the float64 checks (docs/kernel.md)
-    dp = torch.empty(B * H, Tp, C, device=dev, dtype=sdt)
-    coef = torch.empty(B * H, Tp, device=dev, dtype=torch.float32)
-    ssc = torch.empty(B * H, N, device=dev, dtype=torch.float32)
-    _bwd_cc_kernel[(N, B * H)](
-        k, v, do, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, ssc, cr, T, H, Tp, scale,
-        K=K, V=V, C=C, BK=BK, VARLEN=varlen, PREC=prec, DT=dt, **_config("bwd_cc", BK, V, fp32))
-    _bwd_wy_kernel[(N, B * H)](
-        k, g, eta, bl, beta, ar, aqk, dovn, dp, dag, emat, coef, dg, deta, cr, T, H, Tp, scale, eps,
-        K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, **_config("bwd_wy", BK, V, fp32))
+    dg, deta = (torch.empty(B, T, H, device=dev, dtype=torch.float32) for _ in range(2))
+    # dU Vn^T (dp) in bf16 like the other C x C buffers: faster than float32, within the float64 checks (docs/kernel.md)
+    uc, dovn, dag, emat, dp = (torch.empty(B * H, Tp, n, device=dev, dtype=sdt) for n in (V, C, C, C, C))
+    coef, ssc = (torch.empty(B * H, n, device=dev, dtype=torch.float32) for n in (Tp, N))
+    _bwd_cc_kernel[(N, B * H)](k, v, do, bl, beta, ar, aqk, hs, dhs, uc, dovn, dp, ssc, cr, T, H, Tp, scale, K=K,
+                               V=V, C=C, BK=BK, VARLEN=varlen, PREC=prec, DT=dt, **_config("bwd_cc", BK, V, fp32))
+    _bwd_wy_kernel[(N, B * H)](k, g, eta, bl, beta, ar, aqk, dovn, dp, dag, emat, coef, dg, deta, cr, T, H, Tp, scale,
+                               eps, K=K, C=C, BK=BK, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt,
+                               **_config("bwd_wy", BK, V, fp32))
     del dovn, dp
     dqk = _config("bwd_dqk", BK, V, fp32)
     NKB = triton.cdiv(K, dqk["BKB"])
-    qdp = torch.empty(NKB, B * H, Tp, device=dev, dtype=torch.float32)
-    qdc = torch.empty(NKB, B * H, N, device=dev, dtype=torch.float32)
-    _bwd_dqk_kernel[(NKB, N, B * H)](
-        q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, qdc, cr, T, H, Tp, scale,
-        K=K, V=V, C=C, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, **dqk)
+    qdp, qdc = (torch.empty(NKB, B * H, n, device=dev, dtype=torch.float32) for n in (Tp, N))
+    _bwd_dqk_kernel[(NKB, N, B * H)](q, k, do, dv, bl, hs, dhs, uc, dag, emat, coef, dq, dk, qdp, qdc, cr, T, H, Tp,
+                                     scale, K=K, V=V, C=C, KACZ=kaczmarz, VARLEN=varlen, PREC=prec, DT=dt, **dqk)
     _bwd_dg_kernel[(N, B * H)](qdp, qdc, ssc, g, dg, cr, T, H, Tp, NKB=NKB, C=C, VARLEN=varlen)
     return dq, dk, dv, dg, deta, dh0
 
 
-_Six = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-_Seven = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_T, _OT = torch.Tensor, Optional[torch.Tensor]
+_Six, _Seven = Tuple[(_T,) * 6], Tuple[(_T,) * 7]
 
 
 def _filled(q, out):
@@ -937,35 +887,29 @@ def _filled(q, out):
 # The kernels as two PyTorch operators with an autograd formula, so that torch.compile sees one opaque call (no
 # graph break: a whole model compiles to one graph, which CUDA graphs can replay). Missing outputs: empty tensors.
 @torch.library.custom_op("kla::chunk", mutates_args=())
-def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor,
-              h0: Optional[torch.Tensor], cu: Optional[torch.Tensor], cs: Optional[torch.Tensor],
-              order: Optional[torch.Tensor], cr: Optional[torch.Tensor], scale: float, eps: float,
-              output_final_state: bool, kaczmarz: bool, save: bool, N: int, n_state: int) -> _Seven:
+def _chunk_op(q: _T, k: _T, v: _T, g: _T, eta: _T, h0: _OT, cu: _OT, cs: _OT, order: _OT, cr: _OT, scale: float,
+              eps: float, output_final_state: bool, kaczmarz: bool, save: bool, N: int, n_state: int) -> _Seven:
     return _filled(q, _chunk_forward(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state,
                                      kaczmarz, save, N, n_state))
 
 
 @_chunk_op.register_fake
 def _(q, k, v, g, eta, h0, cu, cs, order, cr, scale, eps, output_final_state, kaczmarz, save, N, n_state):
-    B, T, H, K = q.shape
-    V, C = v.shape[-1], C_CHUNK
-    f32, sdt = torch.float32, torch.float32 if q.dtype == torch.float32 else torch.bfloat16
-    fuse_o = _config("fuse_o", _block_k(K), V, q.dtype == torch.float32, n_state * H, save, N)["FUSE_O"]
-    keep_hs = save or not fuse_o
+    (B, T, H, K), V, C = q.shape, v.shape[-1], C_CHUNK
+    f32, (fp32, _, _, sdt) = torch.float32, _precision(q)
+    fuse_o = _config("fuse_o", _block_k(K), V, fp32, n_state * H, save, N)["FUSE_O"]
     return (q.new_empty(B, T, H, V),
             q.new_empty(n_state, H, K, V, dtype=f32) if output_final_state else q.new_empty(0, dtype=f32),
             q.new_empty(B * H, N * C, dtype=f32), q.new_empty(B * H, N * C, dtype=f32),
             q.new_empty(B * H, N * C, C, dtype=sdt),
-            q.new_empty(B * H, N, K, V, dtype=sdt) if keep_hs else q.new_empty(0, dtype=f32),
+            q.new_empty(B * H, N, K, V, dtype=sdt) if save or not fuse_o else q.new_empty(0, dtype=f32),
             q.new_empty(B * H, N * C, C, dtype=sdt) if save else q.new_empty(0, dtype=f32))
 
 
 @torch.library.custom_op("kla::chunk_backward", mutates_args=())
-def _chunk_backward_op(do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, g: torch.Tensor, eta: torch.Tensor, bl: torch.Tensor, beta: torch.Tensor,
-                       ar: torch.Tensor, hs: torch.Tensor, aqk: torch.Tensor, cu: Optional[torch.Tensor],
-                       cs: Optional[torch.Tensor], order: Optional[torch.Tensor], cr: Optional[torch.Tensor],
-                       scale: float, eps: float, kaczmarz: bool, has_h0: bool, N: int, n_state: int) -> _Six:
+def _chunk_backward_op(do: _T, dht: _OT, q: _T, k: _T, v: _T, g: _T, eta: _T, bl: _T, beta: _T, ar: _T, hs: _T,
+                       aqk: _T, cu: _OT, cs: _OT, order: _OT, cr: _OT, scale: float, eps: float, kaczmarz: bool,
+                       has_h0: bool, N: int, n_state: int) -> _Six:
     return _filled(q, _chunk_backward(do, dht, q, k, v, g, eta, bl, beta, ar, hs, aqk, cu, cs, order, cr, scale, eps,
                                       kaczmarz, has_h0, N, n_state))
 
@@ -1000,8 +944,7 @@ _chunk_op.register_autograd(_chunk_grad, setup_context=_chunk_setup_context)
 
 
 class _ChunkFunction(torch.autograd.Function):
-    """The same forward and autograd formula without the operators' dispatch, for eager calls (torch.compile traces
-    the operators): the dispatch is host time, which decides small shapes."""
+    """The operators' forward and autograd formula without their dispatch (host time) for eager calls."""
     @staticmethod
     def forward(q, *args):
         return _filled(q, _chunk_forward(q, *args))
@@ -1015,14 +958,11 @@ class _ChunkFunction(torch.autograd.Function):
 
 def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, output_final_state=False,
               kaczmarz=True, cu_seqlens=None):
-    """Chunkwise KLA (kaczmarz=True) or gated delta rule (kaczmarz=False) on CUDA (or in Triton's
-    interpreter). Same layout, defaults and return value as model.kla_chunkwise: (o (B, T, H, V) in
-    q's dtype, final state (B, H, K, V) float32 or None). Differentiable in q, k, v, g, eta, initial_state.
-    If q, k and v differ in dtype (e.g. float32 q from a normalisation under CUDA autocast beside bfloat16
-    k, v), all three are cast to the narrowest of them, which is also o's dtype.
-    cu_seqlens (N + 1,) int32 / int64: N sequences packed in a batch of 1, sequence n at tokens
-    cu_seqlens[n]:cu_seqlens[n + 1], from initial_state[n] ((N, H, K, V), or zeros), final state (N, H, K, V);
-    read back to the host (not in CUDA graphs)."""
+    """Chunkwise KLA (kaczmarz=True) or gated delta rule (kaczmarz=False) on CUDA (or Triton's interpreter), with
+    model.kla_chunkwise's layout, defaults and return value: (o (B, T, H, V) in q's dtype, final state (B, H, K, V)
+    float32 or None), differentiable in q, k, v, g, eta, initial_state; q, k, v are cast to the narrowest of their
+    dtypes (a float32 q under autocast). cu_seqlens (N + 1,) int32 / int64, read back to the host (not in CUDA graphs):
+    sequence n at tokens cu_seqlens[n]:cu_seqlens[n + 1] of a batch of 1, states (N, H, K, V) (initial: or zeros)."""
     layout = _check(q, k, v, g, eta, initial_state, eps, cu_seqlens=cu_seqlens, scale=scale)
     q, k, v = (x.contiguous() for x in _common_dtype(q, k, v))
     g, eta = g.float().contiguous(), eta.float().contiguous()
@@ -1038,13 +978,11 @@ def kla_chunk(q, k, v, g, eta, *, eps=1e-6, scale=None, initial_state=None, outp
 
 
 def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out_state=None):
-    """One decoding step for a batch: q, k (B, 1, H, K), v (B, 1, H, V), g, eta (B, 1, H), state
-    (B, H, K, V) float32. Returns (o (B, 1, H, V), new state). out_state: a contiguous float32 (B, H, K, V)
-    tensor to write the new state into, which may be state itself (each program reads its block of the
-    state before it writes it). No host synchronisation: capturable in a CUDA graph. Not differentiable."""
+    """One decoding step: q, k (B, 1, H, K), v (B, 1, H, V), g, eta (B, 1, H), state (B, H, K, V) float32 -> (o
+    (B, 1, H, V), new state). out_state: a contiguous float32 (B, H, K, V) tensor for the new state, possibly state
+    itself (each program reads its block before writing it). No host synchronisation (CUDA graphs); no gradient."""
     _check(q, k, v, g, eta, state, eps, step=True, scale=scale)
-    B, _, H, K = q.shape
-    V = v.shape[-1]
+    (B, _, H, K), V = q.shape, v.shape[-1]
     if out_state is not None and (not torch.is_tensor(out_state) or out_state.dtype != torch.float32
                                   or tuple(out_state.shape) != (B, H, K, V) or out_state.device != q.device
                                   or not out_state.is_contiguous()):
@@ -1052,14 +990,11 @@ def kla_step(q, k, v, g, eta, state, *, eps=1e-6, scale=None, kaczmarz=True, out
                f"{'' if out_state.is_contiguous() else ' (strided)'}" if torch.is_tensor(out_state) else type(out_state))
         raise ValueError(f"out_state must be a contiguous float32 tensor of shape {(B, H, K, V)} on {q.device}, "
                          f"got {got}")
-    q, k, v = _common_dtype(q, k, v)
+    q, k, v, g, eta, state = (x.contiguous() for x in (*_common_dtype(q, k, v), g, eta, state))
     scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, eta = (x.contiguous() for x in (q, k, v, g, eta))
-    state = state.contiguous()
     o = torch.empty(B, 1, H, V, device=q.device, dtype=q.dtype)
     new_state = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if out_state is None else out_state
     step = _config("step", _block_k(K), V)
-    _step_kernel[(triton.cdiv(V, step["BV"]), B * H)](q, k, v, g, eta, state, o, new_state, float(scale),
-                                                      float(eps), K=K, V=V, BK=_block_k(K), KACZ=bool(kaczmarz),
-                                                      **step)
+    _step_kernel[(triton.cdiv(V, step["BV"]), B * H)](q, k, v, g, eta, state, o, new_state, float(scale), float(eps),
+                                                      K=K, V=V, BK=_block_k(K), KACZ=bool(kaczmarz), **step)
     return o, new_state
