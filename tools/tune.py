@@ -13,7 +13,7 @@ Sections (comma-separated):
 --shapes picks shapes by index, --variants the variants whose name holds the text (and the defaults). A variant that
 faults the GPU poisons the process: it exits printing RESTART_AT=<next index>, and --start=<index> goes on from there
 in a new process. --smoke runs tiny shapes in Triton's interpreter. Tables to stdout and DIR/tune.md. The rows chosen
-and their measurements: docs/kernel.md, "Choices: the launch configurations".
+and their measurements: docs/kernel.md, "Choices, with the measurement behind each".
 """
 import os
 import sys
