@@ -100,7 +100,7 @@ def check_config(config, step_rules):
     if mixer_layers(config.mixer, config.n_layer) is None:
         raise ValueError(f"mixer must be one of {', '.join(MIXERS)}, or a pattern of them separated by commas whose "
                          f"length divides n_layer ({config.n_layer}), got {config.mixer!r}")
-    attention_only = set(config.mixer.split(",")) == {"attn"}  # step_rule and decay are the KLA / GDN layers'
+    attention_only = set(config.mixers) == {"attn"}  # step_rule and decay are the KLA / GDN layers'
     if config.step_rule not in ("", *step_rules) or (config.step_rule and attention_only):
         raise ValueError(f"step_rule must be '' (the mixer's own) or, with a mixer 'kla' or 'gdn' in mixer, one of "
                          f"{', '.join(step_rules)}; got {config.step_rule!r} with mixer {config.mixer!r}")
