@@ -1,6 +1,7 @@
 """
 model.py: the config's checks, the layers and the GPT (dropout, recompute, generation equal to the forward, decoding,
-packed documents, backends, initialisation, optimizer groups, step-size rules, memory switches).
+packed documents, backends, initialisation, optimizer groups, step-size rules, memory switches,
+hybrid stacks).
 """
 
 import math
