@@ -648,15 +648,13 @@ COPY_BW = 4.25e12  # bytes/s, the H200's measured device-to-device copy bandwidt
 
 def decode_floor_ms(model, batch, context):
     """The memory-bandwidth floor of one decoding step: every weight read once (bf16; the tied embedding is
-    read whole by the output layer), plus the state: KLA / GDN's float32 states read and written, or
+    read whole by the output layer), plus each layer's state: KLA / GDN's float32 states read and written, or
     attention's bf16 KV cache of `context` tokens read; over COPY_BW."""
     cfg = model.config
     weights = 2 * model.get_num_params()
-    if cfg.mixer == "attn":
-        state = batch * cfg.n_layer * 2 * context * cfg.n_embd * 2
-    else:
-        dk, dv = int(cfg.expand_k * cfg.n_embd) // cfg.n_head, int(cfg.expand_v * cfg.n_embd) // cfg.n_head
-        state = 2 * batch * cfg.n_layer * cfg.n_head * dk * dv * 4
+    dk, dv = int(cfg.expand_k * cfg.n_embd) // cfg.n_head, int(cfg.expand_v * cfg.n_embd) // cfg.n_head
+    kv, delta = batch * 2 * context * cfg.n_embd * 2, 2 * batch * cfg.n_head * dk * dv * 4
+    state = sum(kv if mixer == "attn" else delta for mixer in cfg.mixers)
     return 1e3 * (weights + state) / COPY_BW
 
 

@@ -72,6 +72,19 @@ def check_cu_seqlens(cu_seqlens, q):
     return bounds
 
 
+MIXERS = ("kla", "gdn", "attn")  # a layer's sequence mixer (model.Block)
+
+
+def mixer_layers(mixer, n_layer):
+    """Each of n_layer layers' mixer from the pattern mixer, names of MIXERS separated by commas repeated to n_layer
+    ('kla,kla,kla,attn': every fourth layer attention; one name: every layer); None where mixer is not such a pattern
+    (an unknown or empty name, or a length that does not divide n_layer)."""
+    names = mixer.split(",")
+    if any(name not in MIXERS for name in names) or n_layer % len(names):
+        return None
+    return names * (n_layer // len(names))
+
+
 def check_config(config, step_rules):
     """A ValueError naming the first field of a GPTConfig that breaks its contract, its type first (n_layer=2.5,
     n_head="4" or n_layer=True is refused), then its range; step_rules: model.STEP_RULES."""
@@ -81,20 +94,22 @@ def check_config(config, step_rules):
                 isinstance(value, bool) and f.type is not bool):
             kind = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}[f.type]
             raise ValueError(f"{f.name} must be {kind}, got {value!r}")
-    if config.mixer not in ("kla", "gdn", "attn"):
-        raise ValueError(f"mixer must be 'kla', 'gdn' or 'attn', got {config.mixer!r}")
-    if config.step_rule not in ("", *step_rules) or (config.step_rule and config.mixer == "attn"):
-        raise ValueError(f"step_rule must be '' (the mixer's own) or, with mixer 'kla' or 'gdn', one of "
-                         f"{', '.join(step_rules)}; got {config.step_rule!r} with mixer {config.mixer!r}")
-    if not isinstance(config.decay, bool) or (not config.decay and config.mixer == "attn"):
-        raise ValueError(f"decay must be True or False (False only with mixer 'kla' or 'gdn'); got {config.decay!r} "
-                         f"with mixer {config.mixer!r}")
-    if not config.conv_size >= 2:
-        raise ValueError(f"conv_size must be an integer >= 2 (the current token and one before it at least), "
-                         f"got {config.conv_size!r}")
     for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "chunk_size"):
         if not getattr(config, name) >= 1:
             raise ValueError(f"{name} must be an integer >= 1, got {getattr(config, name)!r}")
+    if mixer_layers(config.mixer, config.n_layer) is None:
+        raise ValueError(f"mixer must be one of {', '.join(MIXERS)}, or a pattern of them separated by commas whose "
+                         f"length divides n_layer ({config.n_layer}), got {config.mixer!r}")
+    attention_only = set(config.mixers) == {"attn"}  # step_rule and decay are the KLA / GDN layers'
+    if config.step_rule not in ("", *step_rules) or (config.step_rule and attention_only):
+        raise ValueError(f"step_rule must be '' (the mixer's own) or, with a mixer 'kla' or 'gdn' in mixer, one of "
+                         f"{', '.join(step_rules)}; got {config.step_rule!r} with mixer {config.mixer!r}")
+    if not isinstance(config.decay, bool) or (not config.decay and attention_only):
+        raise ValueError(f"decay must be True or False (False only with a mixer 'kla' or 'gdn' in mixer); got "
+                         f"{config.decay!r} with mixer {config.mixer!r}")
+    if not config.conv_size >= 2:
+        raise ValueError(f"conv_size must be an integer >= 2 (the current token and one before it at least), "
+                         f"got {config.conv_size!r}")
     for name in ("kla_eps", "norm_eps"):
         if not getattr(config, name) >= 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(config, name)!r}")
@@ -102,7 +117,7 @@ def check_config(config, step_rules):
         raise ValueError(f"dropout must be in [0, 1), got {config.dropout!r}")
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
-    if config.mixer != "attn":
+    if not attention_only:
         for name in ("expand_k", "expand_v"):
             width = getattr(config, name) * config.n_embd
             if width != int(width) or int(width) % config.n_head:

@@ -7,10 +7,13 @@ Inference for the model of model.py: the fast path (GPT.generate is the simple o
 
 - prefill: a long prompt read in segments of PREFILL_SEGMENT tokens (KLA / GDN: the state carried across them,
   memory flat in the prompt's length), the full segments after the first replayed from one CUDA graph; prompts of
-  different lengths read packed in one pass (prefill_packed).
+  different lengths read packed in one pass (prefill_packed). A model with attention layers (attention, or a hybrid)
+  reads the prompt in one pass: their KV cache grows with it anyway, and a later segment's attention would need a
+  (segment x prompt) mask where one pass takes SDPA's causal kernel.
 - decoding: every token costs O(1) from the carried state (attention: its KV cache), one step replayed from a CUDA
-  graph; on the Triton backend (the decode_fused switch) each KLA / GDN mixer runs between its projections as one
-  kernel, and at batch 1 each block as three (kernel_decode.py).
+  graph (KLA / GDN layers only); on the Triton backend (the decode_fused switch) each KLA / GDN mixer runs between
+  its projections as one kernel, and at batch 1 each such block as three (kernel_decode.py); a hybrid's attention
+  layers run as their layers, from their KV cache.
 The cache is model.GPT.new_cache()'s: one dict per layer, read and updated in place.
 """
 
@@ -78,26 +81,31 @@ class Engine:
 
     def decodes_fused(self, idx, cache):
         """Whether this call decodes one token through kernel_decode's kernels (the decode_fused switch): KLA or
-        GDN on the Triton backend, a cache that holds a state, no autograd. The kernels make eta and the decay from
-        the layer's projections and beta from KLA's or GDN's rule: other rules and decay=False decode unfused."""
-        m, mixer = self.model, self.model.blocks[0].mixer
-        return (idx.shape[1] == 1 and m.switches["decode_fused"] and isinstance(mixer, DeltaMixer)
-                and mixer.backend == "triton" and "state" in cache[0] and not torch.is_grad_enabled()
+        GDN layers (a hybrid's attention layers run as their layers) on the Triton backend, a cache that holds a state,
+        no autograd. The kernels make eta and the decay from the layer's projections and beta from KLA's or GDN's rule:
+        other rules and decay=False decode unfused."""
+        m = self.model
+        i = next((i for i, b in enumerate(m.blocks) if isinstance(b.mixer, DeltaMixer)), None)
+        return (idx.shape[1] == 1 and m.switches["decode_fused"] and i is not None
+                and m.blocks[i].mixer.backend == "triton" and "state" in cache[i] and not torch.is_grad_enabled()
                 and not (m.training and m.config.dropout)  # the kernels apply no dropout
-                and mixer.rule in ("kaczmarz", "unit") and m.config.decay)
+                and m.blocks[i].mixer.rule in ("kaczmarz", "unit") and m.config.decay)
 
     def _decode_fused(self, idx, cache):
         """forward for one token (B, 1) through the fused decoding kernels; the logits (B, 1, vocab). At batch 1,
         with the weights and the cache's buffers in one dtype (not under autocast), every block and the head run
         as kernels alone (_decode_fused_batch1); else each mixer runs between its projections as one kernel
-        (kernel_decode.kla_decode_mixer) and the rest of the model as its layers."""
+        (kernel_decode.kla_decode_mixer) and the rest of the model as its layers. Attention blocks run as they are."""
         model = self.model
         x = model.wte(idx)  # (B, 1, C)
-        if x.shape[0] == 1 and x.dtype == cache[0]["q_conv"].dtype:
+        if x.shape[0] == 1 and x.dtype == next(st for st in cache if "q_conv" in st)["q_conv"].dtype:
             return self._decode_fused_batch1(x, cache)
         B = x.shape[0]
         for block, st in zip(model.blocks, cache):
             m = block.mixer
+            if not isinstance(m, DeltaMixer):
+                x = block(x, st)
+                continue
             o = _decode_mixer(m, m.in_proj(block.norm1(x)).view(B, -1), st)  # (B, H dv)
             x = x + m.o_proj(o.view(B, 1, -1))
             x = x + block.mlp(block.norm2(x))
@@ -108,11 +116,15 @@ class Engine:
         """Each block as three kernels (kernel_decode.kla_decode_block): RMSNorm + the mixer's input projection + the
         short convolutions; the state step, each head's values over several programs, with their share of the output
         projection; the heads' RMSNorm, the residual, RMSNorm and the MLP with the residual. The residual stream
-        between blocks in float32. Then norm_f + lm_head as one more (kernel_decode.decode_linear)."""
+        between blocks in float32. Then norm_f + lm_head as one more (kernel_decode.decode_linear). A hybrid's attention
+        blocks run as their layers on the residual in the weights' dtype."""
         model = self.model
-        x = x.view(1, -1)
+        dtype, x = x.dtype, x.view(1, -1)
         for block, st in zip(model.blocks, cache):
             m = block.mixer
+            if not isinstance(m, DeltaMixer):
+                x = block(x.to(dtype).view(1, 1, -1), st).view(1, -1)
+                continue
             x = kernel_decode.kla_decode_block(
                 x, block.norm1.weight, m.in_proj.weight, st["q_conv"], st["k_conv"], st["v_conv"], m.q_conv.weight,
                 m.k_conv.weight, m.v_conv.weight, m.A_log, m.dt_bias, m.eta_bias, st["state"], m.o_norm.weight,
@@ -125,18 +137,18 @@ class Engine:
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, cuda_graph=False, prefill_chunk=PREFILL_SEGMENT):
         """Yield max_new_tokens new tokens (B, 1) one at a time (temperature 0: greedy; top_k None: all tokens).
-        The prompt is read once by the chunkwise path, in segments of prefill_chunk tokens for KLA / GDN (the state
-        carried across them, so that memory does not grow with the prompt); every later token costs O(1) from the
-        carried state (attention: its KV cache). cuda_graph: replay each decoding step, and a long prompt's segments,
-        from CUDA graphs (KLA / GDN on CUDA), without per-kernel launch costs. idx may also be a list of N 1-D prompts
-        of different lengths (KLA / GDN): they are read in one pass, packed (cu_seqlens), then decoded together as a
-        batch of N."""
+        The prompt is read once by the chunkwise path, in segments of prefill_chunk tokens where every layer is KLA /
+        GDN (the state carried across them, so that memory does not grow with the prompt); every later token costs
+        O(1) from the carried state (attention: its KV cache). cuda_graph: replay each decoding step, and a long
+        prompt's segments, from CUDA graphs (KLA / GDN on CUDA), without per-kernel launch costs. idx may also be a
+        list of N 1-D prompts of different lengths (KLA / GDN): they are read in one pass, packed (cu_seqlens), then
+        decoded together as a batch of N."""
         check_sampling(temperature, top_k)
         cache = self.model.new_cache()
         if isinstance(idx, (list, tuple)):
             logits = self.prefill_packed(idx, cache)
         else:
-            segment = idx.shape[1] if self.model.config.mixer == "attn" else prefill_chunk
+            segment = idx.shape[1] if "attn" in self.model.config.mixers else prefill_chunk  # see the docstring
             logits = self.prefill(idx, cache, segment, cuda_graph)
         greedy = temperature == 0
         step = self.decode_step(cache, logits.shape[0], cuda_graph, greedy=greedy) if max_new_tokens > 1 else None
@@ -163,7 +175,7 @@ class Engine:
         B, T = idx.shape
         logits = self.forward(idx[:, :segment], cache)  # from the empty cache, which then holds its buffers
         s, n_full = segment, (T - segment) // segment
-        if cuda_graph and self.model.config.mixer != "attn" and n_full >= 1:
+        if cuda_graph and "attn" not in self.model.config.mixers and n_full >= 1:
             weight = self.model.wte.weight
             key = (B, segment, weight.dtype, weight.data_ptr())
             if key not in self.segment_graphs:
@@ -187,9 +199,9 @@ class Engine:
     def prefill_packed(self, prompts, cache):
         """Read N 1-D prompts of any lengths into the empty cache in one pass (packed, each from a fresh state):
         the cache then holds a batch of N. The logits of each prompt's last token (N, 1, vocab)."""
-        if self.model.config.mixer == "attn":
-            raise ValueError("prompts of different lengths are read packed by KLA / GDN only; for attention pad "
-                             "them to one length (B, T)")
+        if "attn" in self.model.config.mixers:
+            raise ValueError("prompts of different lengths are read packed by KLA / GDN only; for a model with "
+                             f"attention layers (mixer {self.model.config.mixer!r}) pad them to one length (B, T)")
         if not prompts or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
             raise ValueError(f"prompts must be a non-empty list of non-empty 1-D token tensors, got "
                              f"{[tuple(p.shape) if torch.is_tensor(p) else type(p).__name__ for p in prompts]}")
@@ -207,8 +219,9 @@ class Engine:
         out = (lambda logits: logits[:, -1].argmax(-1, keepdim=True)) if greedy else (lambda logits: logits)
         if not cuda_graph:
             return lambda tok: out(self.forward(tok, cache))
-        if self.model.config.mixer == "attn":
-            raise ValueError("cuda_graph decoding needs a fixed-size state: mixer 'kla' or 'gdn', not 'attn'")
+        if "attn" in self.model.config.mixers:
+            raise ValueError("cuda_graph decoding needs a fixed-size state: every layer 'kla' or 'gdn', got mixer "
+                             f"{self.model.config.mixer!r}")
         tok = torch.zeros(batch, length, dtype=torch.long, device=self.model.wte.weight.device)
 
         def step():

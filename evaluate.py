@@ -10,8 +10,8 @@ each split (the same windows for every model, by seed). A dataset without a test
 than the data the model was trained on, is refused: its test documents may have been trained on.
 
 Sequences are read in segments of the training context with the state carried across them (the recurrent
-state of KLA / GDN; attention's KV cache), which computes exactly what one pass over the whole sequence
-would, with the memory of one segment's logits. With --documents=True (the BPE datasets) each window is read
+state of KLA / GDN; attention's KV cache; in a hybrid each layer its own), which computes exactly what one pass over
+the whole sequence would, with the memory of one segment's logits. With --documents=True (the BPE datasets) each window is read
 as its documents instead, as train.py --documents=True trains: in one pass, the state and the attention of
 each document its own, the token after an end-of-text not predicted.
 

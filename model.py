@@ -18,7 +18,8 @@ References:
 4) nanoGPT (Karpathy) for the shape of this file.
 
 The mixer is switchable (GPTConfig.mixer): 'kla', 'gdn' (the same layer with q, k normalised and
-beta = eta) and 'attn' (causal softmax attention with RoPE, the Transformer++ baseline). Everything
+beta = eta) and 'attn' (causal softmax attention with RoPE, the Transformer++ baseline), or a pattern of them per
+layer ('kla,kla,kla,attn': a hybrid with every fourth layer attention). Everything
 else in the model is shared, so comparisons between them are fair. For the ablation of the step size
 alone, GPTConfig.step_rule picks beta's rule in the KLA / GDN layer (STEP_RULES) and decay=False sets g = 0.
 
@@ -37,7 +38,7 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from checks import check_config, check_cu_seqlens, check_inputs, check_sampling, check_weights
+from checks import check_config, check_cu_seqlens, check_inputs, check_sampling, check_weights, mixer_layers
 from chunked_loss import FusedCrossEntropy, chunked_cross_entropy
 
 # -----------------------------------------------------------------------------
@@ -500,9 +501,9 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 6
     n_embd: int = 768
-    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn'
-    step_rule: str = ""        # KLA / GDN's step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
-    decay: bool = True         # KLA / GDN's learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
+    mixer: str = "kla"         # 'kla' | 'gdn' | 'attn', or a pattern per layer repeated to n_layer: 'kla,kla,kla,attn'
+    step_rule: str = ""        # the KLA / GDN layers' step size, one of STEP_RULES; '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
+    decay: bool = True         # the KLA / GDN layers' learned decay; False: g = 0 (with step_rule 'unit': DeltaNet)
     expand_k: float = 0.75     # key width of all heads / n_embd (the authors' KLA setting)
     expand_v: float = 1.5      # value width of all heads / n_embd
     conv_size: int = 4         # short causal convolution on q, k, v
@@ -518,8 +519,8 @@ class GPTConfig:
 
     @property
     def mixers(self):
-        """Each layer's mixer, n_layer names: the mixer at every layer."""
-        return [self.mixer] * self.n_layer
+        """Each layer's mixer, n_layer names: mixer's pattern repeated (one name: that mixer at every layer)."""
+        return mixer_layers(self.mixer, self.n_layer)
 
 
 def sample_next(logits, temperature, top_k):
@@ -596,8 +597,8 @@ class GPT(nn.Module):
     def set_backend(self, device_type):
         """Choose the linear-attention path once for this device (see resolve_backend): the backend switch resolved."""
         backend = resolve_backend(self.switches["backend"], device_type)
-        mixer = self.blocks[0].mixer
-        if backend == "triton" and isinstance(mixer, DeltaMixer) and (mixer.dk > 128 or mixer.dv > 1024):
+        mixer = next((b.mixer for b in self.blocks if isinstance(b.mixer, DeltaMixer)), None)
+        if backend == "triton" and mixer is not None and (mixer.dk > 128 or mixer.dv > 1024):
             raise ValueError(f"heads of d_k {mixer.dk}, d_v {mixer.dv}: the Triton kernel takes d_k <= 128 and d_v <= 1024; "
                              "use more heads, or backend='chunkwise'")
         self.set_switches(backend=backend)
@@ -610,13 +611,14 @@ class GPT(nn.Module):
         cu_seqlens (N + 1,): idx (1, T) holds N documents packed (see doc_seqlens), each read as if alone:
         the states and convolutions of KLA / GDN reset at each, attention stays within each. With an empty cache
         as well (KLA / GDN): N prompts of different lengths read at once (prefill), the cache then holds a batch of
-        N (each prompt's state and convolution inputs) and the logits are those of each prompt's last token (N, 1, vocab)."""
+        N (each prompt's state and convolution inputs) and the logits are those of each prompt's last token (N, 1, vocab).
+        A hybrid's layers each do as their mixer does."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         if cu_seqlens is not None:
-            if cache is not None and (self.config.mixer == "attn" or any(cache)):
+            if cache is not None and ("attn" in self.config.mixers or any(cache)):
                 raise ValueError("cu_seqlens with a cache reads packed prompts into an empty cache, for KLA / GDN "
-                                 f"only; got mixer {self.config.mixer!r} and a cache that "
+                                 f"layers only; got mixer {self.config.mixer!r} and a cache that "
                                  f"{'holds a state' if any(cache) else 'is empty'}")
             check_cu_seqlens(cu_seqlens, idx)
         x = self.drop(self.wte(idx))  # (B, T, C)
@@ -635,6 +637,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_cache(self):
+        """One dict per layer, filled by its mixer: an attention layer's keys and values, a KLA / GDN layer's state
+        and convolution inputs."""
         return [dict() for _ in self.blocks]
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -645,16 +649,14 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def flops_per_token(self, T):
-        """Forward + backward FLOPs per token at sequence length T: 6 N for the weights, plus the
+        """Forward + backward FLOPs per token at sequence length T: 6 N for the weights, plus each layer's
         mixer's own matmuls (causal attention, or the chunkwise delta rule of KLA / GDN)."""
         cfg, d = self.config, self.config.n_embd
-        if cfg.mixer == "attn":
-            mixer = 2 * 2 * d * T / 2  # QK^T and AV, causal half
-        else:
-            dk, dv, C = cfg.expand_k * d / cfg.n_head, cfg.expand_v * d / cfg.n_head, min(cfg.chunk_size, T)
-            # per head: K K^T, Q K^T, T (V, K), intra-chunk attn @ U (4C(dk+dv)), K S, Q S, K^T U (6 dk dv)
-            mixer = cfg.n_head * (4 * C * (dk + dv) + 6 * dk * dv)
-        return 6 * self.get_num_params() + 3 * cfg.n_layer * mixer
+        dk, dv, C = cfg.expand_k * d / cfg.n_head, cfg.expand_v * d / cfg.n_head, min(cfg.chunk_size, T)
+        # attention: QK^T and AV, causal half; KLA / GDN per head: K K^T, Q K^T, T (V, K), intra-chunk attn @ U
+        # (4C(dk+dv)), K S, Q S, K^T U (6 dk dv)
+        attn, delta = 2 * 2 * d * T / 2, cfg.n_head * (4 * C * (dk + dv) + 6 * dk * dv)
+        return 6 * self.get_num_params() + 3 * sum(attn if mixer == "attn" else delta for mixer in cfg.mixers)
 
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
         """Model FLOPs utilisation: achieved FLOP/s over peak_flops (e.g. 989e12 for H100/H200 bf16)."""

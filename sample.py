@@ -67,7 +67,7 @@ except ValueError as err:
     fail(f"{ckpt_path}: {err}" if ckpt_path not in str(err) else str(err))
 model.eval()
 model.to(device)
-use_graph = cuda_graph and device_type == "cuda" and model.config.mixer != "attn"
+use_graph = cuda_graph and device_type == "cuda" and "attn" not in model.config.mixers
 if use_graph and dtype != "float32":  # weights in the compute dtype instead of autocast inside the graph,
     model.to(ptdtype)                 # the configuration bench.py measures (the state stays float32)
     ctx = nullcontext()

@@ -227,7 +227,7 @@ def check_model_decode(device, compiled, fused=True, batch=2):
 
 def check_greedy(device, mixer, batch, new_tokens=256):
     """sample.py's path on CUDA (the Triton kernels, the fused decoding kernels, each step replayed from a CUDA
-    graph) against the model's plain PyTorch path (the chunkwise reference, then the recurrent step), float32,
+    graph; a hybrid's: its KLA / GDN layers fused, no graph) against the model's plain PyTorch path (the chunkwise reference, then the recurrent step), float32,
     the same weights (2 layers): the share of greedy tokens that differ, and the relative error between the two
     models' logits at the last position of prompt + tokens (one forward each)."""
     torch.manual_seed(0)
@@ -239,7 +239,8 @@ def check_greedy(device, mixer, batch, new_tokens=256):
     plain.set_backend(device)
     prompt = torch.randint(512, (batch, 100), device=device)
     with torch.no_grad():
-        got = torch.cat(list(Engine(fast).stream(prompt, new_tokens, temperature=0, cuda_graph=device == "cuda")), 1)
+        graph = device == "cuda" and "attn" not in cfg.mixers
+        got = torch.cat(list(Engine(fast).stream(prompt, new_tokens, temperature=0, cuda_graph=graph)), 1)
         want = torch.cat(list(Engine(plain).stream(prompt, new_tokens, temperature=0)), 1)
         full = torch.cat([prompt, want[:, :-1]], 1)
         last = [m(full)[0][:, -1] for m in (fast, plain)]
@@ -257,7 +258,7 @@ def check_documents(lines, device, smoke):
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
     failures = 0
     lines += ["", f"packed documents in the model ({len(lens)} documents of {min(lens)} to {max(lens)} tokens):", ""]
-    for mixer in ("kla", "gdn", "attn"):
+    for mixer in ("kla", "gdn", "attn", "kla,attn"):
         torch.manual_seed(0)
         cfg = dict(n_layer=2, n_head=2, n_embd=32 if smoke else 128, vocab_size=61, block_size=int(cu[-1]),
                    mixer=mixer, chunk_size=16)
@@ -285,7 +286,7 @@ def check_documents(lines, device, smoke):
             err_c = abs(loss_c.item() - loss_e.item()) / abs(loss_e.item())
             ok = ok and finite and err_c < 1e-2
             row += f"; compiled bf16 loss vs eager {err_c:.1e}, gradients {'finite' if finite else 'NOT finite'}"
-        if mixer != "attn":
+        if "attn" not in mixer:  # packed prompts: KLA / GDN models only
             m.eval()
             prompts = [idx[0, a:b] for a, b in bounds]
             with torch.no_grad():
@@ -413,7 +414,8 @@ def check_decoding(lines, device, gen, smoke):
     lines += ["", f"greedy decoding of {new_tokens} tokens, sample.py's path on this device (fused decoding kernels, CUDA "
               "graph) against the model's plain PyTorch path, float32, the same weights (2 layers, 100-token prompt); "
               "the last token's logits over prompt + tokens:", ""]
-    for mixer, batch in (("kla", 1), ("kla", 2)) if smoke else (("kla", 1), ("kla", 64), ("gdn", 1), ("gdn", 64)):
+    for mixer, batch in (("kla", 1), ("kla", 2), ("attn,kla", 1)) if smoke else (
+            ("kla", 1), ("kla", 64), ("gdn", 1), ("gdn", 64), ("attn,kla", 1), ("attn,kla", 64)):
         differ, err = check_greedy(device, mixer, batch, new_tokens)
         ok = differ == 0 and err < TOL[torch.float32]
         failures += not ok

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, GPTConfig, STEP_RULES, doc_seqlens
+from model import GPT, GPTConfig, STEP_RULES, doc_seqlens, mixer_layers
 from run_safety import fail, read_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -69,7 +69,7 @@ block_size = 256 if _gpu else 64
 n_layer = 6 if _gpu else 4
 n_head = 6 if _gpu else 4
 n_embd = 384 if _gpu else 128
-mixer = "kla"  # 'kla' | 'gdn' | 'attn'
+mixer = "kla"  # 'kla' | 'gdn' | 'attn', or a pattern per layer repeated to n_layer: 'kla,kla,kla,attn'
 step_rule = ""  # KLA / GDN's step size: 'kaczmarz', 'unit', 'raw', 'scalar', 'longhorn' (model.STEP_RULES);
                 #  '': the mixer's own ('kaczmarz' for kla, 'unit' for gdn)
 decay = True  # KLA / GDN's learned decay of the state; False: none (step_rule 'unit' without decay is DeltaNet)
@@ -125,7 +125,7 @@ check("expand_v", 0 < expand_v < math.inf, "a finite number > 0")
 check("beta1", 0 <= beta1 < 1, "in [0, 1)")
 check("beta2", 0 <= beta2 < 1, "in [0, 1)")
 check("init_from", init_from in ("scratch", "resume"), "'scratch' or 'resume'")
-check("mixer", mixer in ("kla", "gdn", "attn"), "'kla', 'gdn' or 'attn'")
+check("mixer", mixer_layers(mixer, n_layer), "'kla', 'gdn', 'attn' or a per-layer pattern of them whose length divides n_layer")
 check("step_rule", step_rule in ("", *STEP_RULES) and not (step_rule and mixer == "attn"),
       f"'' (the mixer's own) or, with --mixer=kla or gdn, one of {', '.join(STEP_RULES)}")
 check("decay", decay or mixer != "attn", "True with --mixer=attn (attention has no decay to turn off)")

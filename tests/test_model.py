@@ -1,6 +1,7 @@
 """
 model.py: the config's checks, the layers and the GPT (dropout, recompute, generation equal to the forward, decoding,
-packed documents, backends, initialisation, optimizer groups, step-size rules, memory switches).
+packed documents, backends, initialisation, optimizer groups, step-size rules, memory switches,
+hybrid stacks).
 """
 
 import math
@@ -53,6 +54,30 @@ def test_model_config_types(field, value, phrase):
     """A size that is not an integer, or a bool where a number is meant, is refused in one line naming it."""
     with pytest.raises(ValueError, match=re.escape(phrase)):
         GPTConfig(**{field: value})
+
+
+def test_mixer_pattern_per_layer():
+    """mixer names each layer's mixer, a pattern repeated to n_layer ('kla,kla,kla,attn': layers 4 and 8 attention);
+    one name is that mixer everywhere. step_rule and decay are the KLA / GDN layers', refused only without one."""
+    cfg = GPTConfig(n_layer=8, n_head=2, n_embd=32, vocab_size=61, mixer="kla,kla,kla,attn", step_rule="raw", decay=False)
+    assert cfg.mixers == ["kla", "kla", "kla", "attn"] * 2
+    m = GPT(cfg)
+    assert [type(b.mixer).__name__ for b in m.blocks] == ["DeltaMixer"] * 3 + ["Attention"] + ["DeltaMixer"] * 3 + ["Attention"]
+    assert all(b.mixer.rule == "raw" and not b.mixer.decay for b in m.blocks if isinstance(b.mixer, model.DeltaMixer))
+    assert GPTConfig(n_layer=3, mixer="gdn").mixers == ["gdn"] * 3
+    rules = [b.mixer.rule for b in GPT(tiny_config("kla,gdn")).blocks]
+    assert rules == ["kaczmarz", "unit"]
+    for kw in (dict(step_rule="unit"), dict(decay=False)):
+        GPTConfig(n_layer=2, mixer="attn,kla", **kw)
+    for mixer, n_layer in (("kla,kla,attn", 4), ("kla,lstm", 2), ("kla,,attn", 3), ("", 2), ("kla,", 2), ("kla, attn", 2)):
+        with pytest.raises(ValueError, match=re.escape(f"mixer must be one of kla, gdn, attn, or a pattern of them "
+                                                       f"separated by commas whose length divides n_layer ({n_layer}), "
+                                                       f"got {mixer!r}")):
+            GPTConfig(n_layer=n_layer, mixer=mixer)
+    with pytest.raises(ValueError, match="step_rule must be .*got 'raw' with mixer 'attn,attn'"):
+        GPTConfig(n_layer=2, mixer="attn,attn", step_rule="raw")
+    with pytest.raises(ValueError, match="decay must be True or False .*got False with mixer 'attn,attn'"):
+        GPTConfig(n_layer=2, mixer="attn,attn", decay=False)
 
 
 @pytest.mark.parametrize("kw,phrase", [
@@ -140,13 +165,14 @@ def test_recompute_same_gradients_less_memory(mixer):
     assert kept[1] < 0.8 * kept[0], kept  # the mixer branches keep only their inputs
 
 
-@pytest.mark.parametrize("mixer", ["kla", "gdn", pytest.param("attn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mixer", ["kla", "gdn", pytest.param("attn", marks=pytest.mark.slow),
+                                   pytest.param("kla,attn", marks=pytest.mark.slow)])
 def test_generation_matches_full_forward(mixer):
     """Prefill, a few tokens at once, then one token at a time from the carried state gives the full
     forward's logits (attention: past its first buffer of prompt + 256 keys, so that the cache grows)."""
     torch.manual_seed(0)
     m = GPT(tiny_config(mixer)).eval()
-    T = 300 if mixer == "attn" else 45
+    T = 300 if "attn" in mixer else 45
     idx = torch.randint(0, 61, (3, T))
     with torch.no_grad():
         full, _ = m(idx, targets=idx)  # (B, T, vocab)
@@ -160,7 +186,7 @@ def test_generation_matches_full_forward(mixer):
         assert cache[0]["k_conv"].shape[1] == m.config.conv_size - 1
 
 
-@pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow),
+@pytest.mark.parametrize("mixer", ["kla", "attn,kla", pytest.param("gdn", marks=pytest.mark.slow),
                                    pytest.param("attn", marks=pytest.mark.slow)])
 def test_greedy_generate_matches_argmax_of_forward(mixer):
     torch.manual_seed(1)
@@ -192,6 +218,52 @@ def test_prefill_in_segments(mixer):
         for s in range(0, 53, 16):
             m(prompt[:, s:s + 16], cache=c2)
     assert rel_err(c2[1]["state"], c1[1]["state"]) < 1e-5
+
+
+def test_hybrid_engine_prefill_and_refusals():
+    """A hybrid (attention first) through the engine: stream reads the prompt in one pass whatever prefill_chunk,
+    and prefill in segments (KLA's state carried, attention's keys and values kept) gives the full forward's logits
+    too; the fixed-size paths (CUDA graphs, packed prompts) are refused in one line."""
+    torch.manual_seed(2)
+    m = GPT(tiny_config("attn,kla")).eval()
+    prompt = torch.randint(0, 61, (2, 53))
+    with torch.no_grad():
+        full, _ = m(prompt, targets=prompt)
+        cache = m.new_cache()
+        assert rel_err(Engine(m).prefill(prompt, cache, 16), full[:, -1:]) < 1e-5
+        assert cache[0]["n"] == 53 and cache[1]["state"].shape[0] == 2
+        seen = []
+        m.forward = lambda idx, **kw: (seen.append(idx.shape[1]), GPT.forward(m, idx, **kw))[1]
+        one = torch.cat(list(Engine(m).stream(prompt, 4, temperature=0, prefill_chunk=16)), 1)
+        assert seen[0] == 53 and torch.equal(one[:, :1], full[:, -1].argmax(-1, keepdim=True))
+    with pytest.raises(ValueError, match=re.escape("needs a fixed-size state: every layer 'kla' or 'gdn', got mixer 'attn,kla'")):
+        list(Engine(m).stream(prompt, 3, cuda_graph=True))
+    with pytest.raises(ValueError, match=re.escape("KLA / GDN only; for a model with attention layers (mixer 'attn,kla')")):
+        Engine(m).prefill_packed([prompt[0], prompt[1, :5]], m.new_cache())
+    with pytest.raises(ValueError, match="for KLA / GDN layers only; got mixer 'attn,kla'"):
+        m(prompt[:1], cache=m.new_cache(), cu_seqlens=torch.tensor([0, 20, 53]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 2])
+def test_hybrid_fused_decoding(batch, monkeypatch):
+    """A hybrid on the Triton backend (the interpreter here) decodes its KLA / GDN layers through kernel_decode's
+    kernels (at batch 1 the whole block, else the mixer) and its attention layers as their layers, from their KV
+    cache: its greedy tokens are the argmax of its own full forward."""
+    ran = []
+    for name in ("kla_decode_mixer", "kla_decode_block"):
+        real = getattr(kernel_decode, name)
+        monkeypatch.setattr(kernel_decode, name, lambda *a, real=real, name=name, **k: (ran.append(name), real(*a, **k))[1])
+    torch.manual_seed(0)
+    m = tiny_gpt("attn,kla,gdn,attn", n_layer=4, backend="triton").eval()
+    m.set_backend("cpu")
+    prompt = torch.randint(0, 61, (batch, 9))
+    out = Engine(m).generate(prompt, 5, temperature=0)
+    with torch.no_grad():
+        logits, _ = m(out[:, :-1], targets=out[:, 1:])
+    assert torch.equal(logits[:, 8:].argmax(-1), out[:, 9:])
+    assert ran and set(ran) == {"kla_decode_block" if batch == 1 else "kla_decode_mixer"}
+    assert len(ran) == 2 * 4  # two KLA / GDN layers, four decoding steps
 
 
 @pytest.mark.slow
@@ -373,7 +445,7 @@ def test_layer_on_packed_documents_equals_each_alone(mixer, backend):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mixer,backend", [("kla", "chunkwise"), ("kla", "recurrent"), ("gdn", "chunkwise"),
-                                           ("attn", "chunkwise")])
+                                           ("attn", "chunkwise"), ("kla,attn", "chunkwise"), ("attn,gdn", "chunkwise")])
 def test_model_on_packed_documents_equals_each_alone(mixer, backend):
     """The whole model on packed documents: each document's loss, and the gradients of the mean loss (the
     documents' losses weighted by their lengths), as the documents run one at a time (fp32)."""
@@ -486,6 +558,9 @@ def test_flops_and_mfu():
     n_attn = sum(p.numel() for p in attn.parameters())
     assert attn.flops_per_token(2048) == 6 * n_attn + 3 * 2 * 2 * 32 * 2048  # attention grows with T, KLA does not
     assert m.flops_per_token(2048) == m.flops_per_token(4096) == f_kla
+    hybrid = GPT(tiny_config("kla,attn"))  # each layer's own: one KLA layer, one attention layer
+    n_hybrid = sum(p.numel() for p in hybrid.parameters())
+    assert hybrid.flops_per_token(2048) == 6 * n_hybrid + 3 * 2 * (4 * 16 * (12 + 24) + 6 * 12 * 24) + 3 * 2 * 32 * 2048
 
 
 @pytest.mark.parametrize("mixer", ["kla", pytest.param("gdn", marks=pytest.mark.slow),

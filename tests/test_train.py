@@ -696,6 +696,35 @@ def test_resume_in_another_dtype(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_hybrid_trains_resumes_samples_and_evaluates(tiny_data, tmp_path):
+    """A hybrid (--mixer=kla,attn: every second layer attention) through the scripts: 3 iterations, then a resume to
+    6, give the 6-iteration run's weights exactly; the checkpoint keeps the pattern; sample.py and evaluate.py (its
+    segments: KLA's state and attention's keys carried) read it with nothing else given."""
+    args = [*TINY, "--n_layer=4", "--mixer=kla,attn", f"--data_dir={tiny_data}", "--eval_interval=3",
+            "--lr_decay_iters=6", "--always_save_checkpoint=True"]
+    p = run("train.py", *args, f"--out_dir={tmp_path / 'full'}", "--max_iters=6", "--sample_tokens=20")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("---------------") == 2  # train.py's own sample at the end (GPT.generate)
+    assert run("train.py", *args, f"--out_dir={tmp_path / 'half'}", "--max_iters=3").returncode == 0
+    p = run("train.py", *args, f"--out_dir={tmp_path / 'half'}", "--max_iters=6", "--init_from=resume")
+    assert p.returncode == 0, p.stderr
+    a, b = (torch.load(tmp_path / name / "ckpt.pt", weights_only=True) for name in ("full", "half"))
+    assert a["iter_num"] == b["iter_num"] == 6 and b["model_args"]["mixer"] == "kla,attn"
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    m = GPT.from_checkpoint(b)
+    assert [type(block.mixer).__name__ for block in m.blocks] == ["DeltaMixer", "Attention"] * 2
+    p = run("sample.py", f"--out_dir={tmp_path / 'half'}", "--device=cpu", "--dtype=float32", "--num_samples=2",
+            "--max_new_tokens=12")
+    assert p.returncode == 0 and p.stdout.count("---------------") == 2, p.stderr
+    p = run("evaluate.py", f"--out_dir={tmp_path / 'half'}", "--device=cpu", "--dtype=float32", "--factors=1,2",
+            "--eval_batches=1", "--batch_size=2")
+    assert p.returncode == 0, p.stderr
+    res = json.loads((tmp_path / "half" / "eval.json").read_text())
+    assert res["mixer"] == "kla,attn" and all(0 < r["test_loss"] < 10 for r in res["results"])
+
+
+@pytest.mark.slow
 def test_sample_token_ids_of_a_dataset_without_a_tokenizer(trained, tmp_path):
     """A model of a dataset without a tokenizer (the synthetic tasks: the prompt is token ids): an id outside the
     vocabulary or text is one line naming it; ids in range are sampled from, the new ones apart from the prompt."""
@@ -1031,7 +1060,9 @@ def test_train_settings_are_checked_before_any_work(tmp_path):
              ("--patience=-1", "patience = -1"), ("--sample_tokens=-1", "sample_tokens = -1"),
              ("--init_from=pretrained", "init_from = 'pretrained': must be 'scratch' or 'resume'"),
              ("--dtype=float64", "dtype = 'float64': must be 'float32', 'bfloat16' or 'float16'"),
-             ("--mixer=rnn", "mixer = 'rnn'"), ("--backend=fast", "backend = 'fast'"), ("--device=tpu", "device = 'tpu'"),
+             ("--mixer=rnn", "mixer = 'rnn'"), ("--mixer=kla,attn", "mixer = 'kla,attn': must be 'kla', 'gdn', 'attn' or a "
+                                                "per-layer pattern of them whose length divides n_layer"),
+             ("--backend=fast", "backend = 'fast'"), ("--device=tpu", "device = 'tpu'"),
              (f"--out_dir={tmp_path / 'file'}", "must be a directory (made if missing), not a file")]
     if not torch.cuda.is_available():
         cases += [("--device=cuda", "device = 'cuda': no CUDA GPU is available here; use --device=cpu"),
